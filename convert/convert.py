@@ -1,0 +1,141 @@
+"""Source checkpoint -> popjax parameter tree, one tensor at a time, with every name and shape checked."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..models.config import ModelConfig
+from ..models.decoder import abstract_model
+from ..models.layers import Derived
+from . import names, readers
+from .readers import CheckpointError
+
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+@dataclasses.dataclass
+class ConvertedCheckpoint:
+    """A converted model: its config and a nested dict (str keys) of numpy arrays."""
+
+    config: ModelConfig
+    params: dict[str, Any]
+    source_kind: str  # "hf" or "gguf"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Dotted parameter path -> shape, for every saved parameter (derived constants excluded)."""
+    from flax import nnx
+
+    _, state, _ = nnx.split(abstract_model(cfg), nnx.Param, Derived)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): tuple(v.shape) for path, v in flat}
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_NUMPY_DTYPES)}")
+
+
+def assemble(
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    total: int,
+    rules: tuple[names.Rule, ...],
+    ignored: tuple[str, ...],
+    source: str,
+    dtype: str = "float32",
+    unpermute: bool = False,
+) -> dict[str, Any]:
+    """Maps, transforms, shape-checks and casts each tensor; fails on unmapped, duplicate or
+    missing ones. Returns the nested parameter dict."""
+    check_dtype(dtype)
+    want = expected_shapes(cfg)
+    flat: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    for name, array in tqdm(tensors, total=total, desc=f"converting {Path(source).name}", unit="tensor"):
+        if names.is_ignored(ignored, name):
+            continue
+        if name in ("lm_head.weight", "output.weight") and cfg.tie_word_embeddings:
+            continue  # tied: the head is the embedding, some exporters still save a copy
+        hit = names.match(rules, name)
+        if hit is None:
+            raise CheckpointError(f"tensor {name!r} in {source} has no mapping to a popjax parameter")
+        target, transform = hit
+        if target not in want:
+            raise CheckpointError(
+                f"tensor {name!r} in {source} maps to {target!r}, which a {cfg.model_type} model "
+                f"with this config does not have"
+            )
+        if target in flat:
+            raise CheckpointError(f"tensors {origin[target]!r} and {name!r} in {source} both map to {target!r}")
+        array = names.apply_transform(np.asarray(array), transform, cfg, unpermute)
+        if tuple(array.shape) != want[target]:
+            raise CheckpointError(
+                f"tensor {name!r} in {source} has shape {tuple(array.shape)} after conversion, "
+                f"expected {want[target]} for {target!r}"
+            )
+        flat[target] = array.astype(_NUMPY_DTYPES[dtype])
+        origin[target] = name
+    missing = sorted(set(want) - set(flat))
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {source} lacks {len(missing)} parameter(s): {shown}")
+    return unflatten(flat)
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def convert_hf(directory: Path, dtype: str = "float32") -> ConvertedCheckpoint:
+    """A HF checkpoint directory (config.json + safetensors, single or sharded)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    cfg = readers.hf_config(directory)
+    files = readers.hf_shard_files(directory)
+    params = assemble(
+        cfg,
+        readers.iter_hf_tensors(files),
+        readers.hf_tensor_count(files),
+        names.HF_RULES,
+        names.HF_IGNORED,
+        str(directory),
+        dtype,
+    )
+    return ConvertedCheckpoint(cfg, params, "hf")
+
+
+def convert_gguf(path: Path, dtype: str = "float32") -> ConvertedCheckpoint:
+    """A llama.cpp GGUF file (any quantisation `gguf` can dequantize)."""
+    reader = readers.open_gguf(path)
+    cfg = readers.gguf_config(reader, path)
+    params = assemble(
+        cfg,
+        readers.iter_gguf_tensors(reader, path),
+        len(reader.tensors),
+        names.GGUF_RULES,
+        names.GGUF_IGNORED,
+        str(path),
+        dtype,
+        unpermute=cfg.model_type == "llama",
+    )
+    return ConvertedCheckpoint(cfg, params, "gguf")
+
+
+def to_jax(params: dict[str, Any]) -> dict[str, Any]:
+    return jax.tree_util.tree_map(jnp.asarray, params)

@@ -1,0 +1,93 @@
+"""Converted checkpoints on disk (orbax params + config.json + tokenizer), written atomically.
+
+Layout of a converted directory::
+
+    popjax.json   marker: format version, source, dtype (written last, inside the temp dir)
+    config.json   allow-listed HF config fields
+    params/       orbax StandardCheckpointer tree of numpy arrays
+    tokenizer/    transformers tokenizer files (when the source had one)
+
+A directory is built under a temporary name and renamed into place only when complete, so an
+interrupted conversion leaves no entry behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from ..models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+MARKER = "popjax.json"
+
+
+def cache_root() -> Path:
+    """Root of popjax's caches: $POPJAX_CACHE, else ~/.cache/popjax."""
+    return Path(os.environ.get("POPJAX_CACHE", Path.home() / ".cache" / "popjax"))
+
+
+def source_key(paths: list[Path], dtype: str) -> str:
+    """Key of a source: resolved paths, sizes and mtimes of its files, dtype and format version."""
+    h = hashlib.sha256(f"v{FORMAT_VERSION}:{dtype}".encode())
+    for path in sorted(p.resolve() for p in paths):
+        stat = path.stat()
+        h.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def is_converted(directory: Path) -> bool:
+    return (directory / MARKER).is_file()
+
+
+def write_converted(
+    destination: Path,
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    save_tokenizer: Callable[[Path], bool],
+    meta: dict[str, Any],
+) -> None:
+    """Writes a converted checkpoint atomically: everything goes to a sibling temp directory,
+    which is renamed to ``destination`` only after the marker is written."""
+    import orbax.checkpoint as ocp
+
+    destination = destination.resolve()
+    if destination.exists():
+        raise FileExistsError(f"{destination} already exists; choose a new destination or remove it")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    try:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / "params", params)
+        checkpointer.wait_until_finished()
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+        has_tokenizer = save_tokenizer(tmp / "tokenizer")
+        marker = dict(meta, format_version=FORMAT_VERSION, tokenizer=has_tokenizer)
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        os.rename(tmp, destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_converted(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """-> (config, params as a nested dict of arrays, marker metadata)."""
+    import orbax.checkpoint as ocp
+
+    meta = json.loads((directory / MARKER).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{directory} has popjax format {meta.get('format_version')}, this popjax reads "
+            f"{FORMAT_VERSION}; convert the source again"
+        )
+    cfg = ModelConfig.from_json(directory / "config.json")
+    params = ocp.StandardCheckpointer().restore((directory / "params").resolve())
+    return cfg, params, meta
+

@@ -1,0 +1,16 @@
+"""Architectures: LLaMA, Qwen2 and Qwen3 decoders sharing one Flax NNX implementation."""
+
+from .config import ConfigError, ModelConfig, RopeScaling
+from .decoder import DecoderLayer, Transformer, abstract_model
+from .layers import Derived, KVCache
+
+__all__ = [
+    "ConfigError",
+    "DecoderLayer",
+    "Derived",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "abstract_model",
+]

@@ -1,0 +1,159 @@
+"""Model configuration read from a HF ``config.json`` (allow-listed fields only).
+
+One frozen, hashable dataclass describes LLaMA, Qwen2 and Qwen3 decoders; it is a
+static argument of every jitted engine function, so two equal configs share compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+# HF `architectures` / `model_type` values we accept, and the switches they imply.
+_ARCH_FLAGS = {
+    "llama": dict(qkv_bias=False, qk_norm=False),
+    "qwen2": dict(qkv_bias=True, qk_norm=False),
+    "qwen3": dict(qkv_bias=False, qk_norm=True),
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that popjax cannot run (unsupported architecture, bad field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF ``rope_scaling`` / ``rope_parameters`` block; ``rope_type`` keys the rope registry."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters. Shapes below use d=hidden, f=intermediate, h=head_dim."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def attention_params_per_layer(self) -> int:
+        """Parameters of one attention block (q, k, v, o and their biases)."""
+        d = self.hidden_size
+        n = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
+        if self.qkv_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        return n
+
+    def mlp_params_per_layer(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The allow-listed fields as a HF-style dict (round-trips through `from_hf_dict`)."""
+        out = dataclasses.asdict(self)
+        out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        out["eos_token_id"] = list(out.pop("eos_token_ids"))
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        model_type = str(raw.get("model_type", "")).lower()
+        if model_type not in _ARCH_FLAGS:
+            raise ConfigError(
+                f"unsupported architecture model_type={model_type!r} "
+                f"(architectures={raw.get('architectures')}); supported: {sorted(_ARCH_FLAGS)}"
+            )
+        flags = dict(_ARCH_FLAGS[model_type])
+        if model_type == "llama" and raw.get("attention_bias"):
+            flags["qkv_bias"] = True  # some LLaMA derivatives carry q/k/v biases
+        if model_type == "llama" and raw.get("mlp_bias"):
+            raise ConfigError("mlp_bias=True is not supported (pruning assumes a bias-free gated MLP)")
+        try:
+            d = int(raw["hidden_size"])
+            n_heads = int(raw["num_attention_heads"])
+            cfg = cls(
+                model_type=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=d,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or n_heads),
+                head_dim=int(raw.get("head_dim") or d // n_heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_theta(raw)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope_scaling=_rope_scaling(raw),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+                **flags,
+            )
+        except KeyError as err:
+            raise ConfigError(f"config.json lacks the required field {err.args[0]!r}") from None
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={cfg.num_key_value_heads}"
+            )
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+        return cls.from_hf_dict(raw)
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_theta(raw: Mapping[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+
+
+def _rope_scaling(raw: Mapping[str, Any]) -> RopeScaling:
+    """Reads `rope_scaling` (transformers 4.x) or `rope_parameters` (5.x)."""
+    block = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = block.get("rope_type") or block.get("type") or "default"
+    allowed = {f.name for f in dataclasses.fields(RopeScaling)}
+    kwargs = {k: block[k] for k in allowed if k in block and k != "rope_type"}
+    return RopeScaling(rope_type=str(rope_type), **kwargs)

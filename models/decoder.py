@@ -1,0 +1,96 @@
+"""The decoder shared by LLaMA, Qwen2 and Qwen3 (switches live in `ModelConfig`).
+
+The MLP of every layer is evaluated by a caller-supplied pure function
+``mlp_fn(weights, state, x) -> (y, state, aux)``: the pruning method. The model has no
+method-specific branch; dense inference is just the dense method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+from .layers import Attention, KVCache, MLPWeights, RMSNorm
+from .rope import check_rope_type, rope_cos_sin
+
+MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLPWeights(cfg, dtype)
+
+    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state):
+        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux)."""
+        attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index)
+        x = x + attn_out
+        y, mlp_state, aux = mlp_fn(self.mlp.as_dict(), mlp_state, self.mlp_norm(x))
+        return x + y.astype(x.dtype), cache, mlp_state, aux
+
+
+class Transformer(nnx.Module):
+    """Token embedding, L decoder layers, final norm and LM head (tied or untied)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32):
+        check_rope_type(cfg)
+        self.cfg = cfg
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+
+    def finalize(self) -> None:
+        """Computes derived per-model constants after the weights are loaded."""
+        for layer in self.layers:
+            layer.mlp.finalize()
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [B, T, d] -> fp32 logits [B, T, V]."""
+        h = self.final_norm(h)
+        if self.cfg.tie_word_embeddings:
+            return jnp.einsum("btd,vd->btv", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        key_valid: jax.Array,
+        mlp_fn: MLPFn,
+        mlp_states: Sequence[Any],
+        caches: Sequence[KVCache] | None = None,
+        write_index: jax.Array | int = 0,
+        last_only: bool = False,
+    ) -> tuple[jax.Array, list[KVCache], list[Any], list[Any]]:
+        """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states, aux.
+
+        With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
+        their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
+        """
+        x = self.embed[...][tokens]
+        cos, sin = rope_cos_sin(self.cfg, positions)
+        new_caches, new_states, auxes = [], [], []
+        for i, layer in enumerate(self.layers):
+            cache = None if caches is None else caches[i]
+            x, cache, state, aux = layer(
+                x, cos, sin, key_valid, cache, write_index, mlp_fn, mlp_states[i]
+            )
+            new_caches.append(cache)
+            new_states.append(state)
+            auxes.append(aux)
+        if last_only:
+            x = x[:, -1:]
+        return self.logits(x), new_caches, new_states, auxes
+
+
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Transformer:
+    """A Transformer with shape-only arrays (no allocation), for conversion targets."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype))

