@@ -38,14 +38,15 @@ class Generation:
 
 
 def _encode(model: LoadedModel, prompts: list[Prompt], chat: bool | None) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError(f"prompt {i} is empty; give at least one non-whitespace character")
     tok = model.tokenizer
     if tok is None:
         raise ValueError(f"{model.source} has no tokenizer; pass token ids to generate_ids()")
     use_chat = chat if chat is not None else getattr(tok, "chat_template", None) is not None
     out = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError(f"prompt {i} is empty; give at least one non-whitespace character")
         if use_chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

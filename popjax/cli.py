@@ -1,0 +1,116 @@
+"""The ``popjax`` command: generate, convert, bench, eval."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .convert.default_model import DEFAULT_MODEL
+
+
+def _enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache: a second CLI run skips most XLA compile time."""
+    import jax
+
+    from .convert.store import cache_root
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def add_method_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default="dense", help="dense, pop, static or dynamic (default dense)")
+    parser.add_argument("--ratio", type=float, default=None, help="global pruning ratio in [0, 1)")
+    parser.add_argument("--gamma", type=float, default=None, help="POP candidate band width (default 0.1)")
+    parser.add_argument("--aggregate", default=None, help="shared (default) or per_sequence")
+
+
+def method_from_args(args: argparse.Namespace):
+    from .methods import make_method
+
+    return make_method(args.method, ratio=args.ratio, gamma=args.gamma, aggregate=args.aggregate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    import popjax
+
+    method = method_from_args(args)  # validate before the (slow) load
+    model = popjax.load(args.model, dtype=args.dtype)
+    out = popjax.generate(
+        model,
+        args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        method=method,
+        chat=False if args.no_chat else None,
+    )
+    for prompt, text in zip(args.prompts, out.texts):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(text)
+
+
+def _cmd_convert(args: argparse.Namespace) -> None:
+    from .loading import convert_source
+
+    destination = convert_source(args.source, Path(args.destination), dtype=args.dtype)
+    print(f"converted {args.source} -> {destination}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="popjax", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with an optional pruning method")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    gen.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_method_args(gen)
+    gen.set_defaults(run=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert a HF directory or GGUF file into a popjax checkpoint")
+    conv.add_argument("source", help=f"HF checkpoint directory, .gguf file or {DEFAULT_MODEL}")
+    conv.add_argument("destination", help="new directory to write")
+    conv.add_argument("--dtype", default="float32")
+    conv.set_defaults(run=_cmd_convert)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands defined beside their implementation (bench, eval)."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    _enable_compilation_cache()
+    from .convert.readers import CheckpointError
+    from .methods import MethodError
+    from .models.config import ConfigError
+
+    try:
+        args.run(args)
+    except (CheckpointError, ConfigError, MethodError, FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"popjax: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

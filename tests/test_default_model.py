@@ -1,0 +1,57 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import popjax
+from popjax.convert import default_gguf_path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Give me three tips for sleeping better.",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    return popjax.load()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_config_of_the_default_model(default_model):
+    cfg = default_model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (9, 3, True)
+
+
+def test_greedy_generation_matches_transformers(default_model, hf_default_model):
+    ours = popjax.generate(default_model, PROMPTS, max_new_tokens=32)  # one left-padded batch
+    tok = default_model.tokenizer
+    eos = tok.eos_token_id
+    for prompt_ids, got in zip(ours.prompt_token_ids, ours.token_ids):
+        with torch.no_grad():
+            out = hf_default_model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            )
+        want = out[0, len(prompt_ids) :].tolist()
+        want = want[: want.index(eos)] if eos in want else want
+        assert got == want, (tok.decode(got), tok.decode(want))
+    assert "Paris" in ours.texts[0]
+
+
+def test_sampling_is_reproducible_with_a_seed(default_model):
+    a = popjax.generate(default_model, PROMPTS[2], max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    b = popjax.generate(default_model, PROMPTS[2], max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    c = popjax.generate(default_model, PROMPTS[2], max_new_tokens=16, temperature=0.8, top_p=0.9, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
