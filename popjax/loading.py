@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

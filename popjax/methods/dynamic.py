@@ -25,6 +25,7 @@ from .base import (
     prefill_per_sequence,
     score_prompt,
     step_importance,
+    take_channels,
 )
 from .dense import DensePlan
 
@@ -53,7 +54,7 @@ class DynamicPlan(Plan):
         h = activations(w["gate"], w["up"], x)  # [B, 1, f]
         scores = step_importance(h, w["down_norm"])  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
-        y = jnp.take(h, selected, axis=-1) @ jnp.take(w["down"], selected, axis=0)
+        y = take_channels(h, selected, axis=-1) @ take_channels(w["down"], selected, axis=0)
         return y, state, {"scores": scores}
 
     def ffn_flops_per_token(self, d: int) -> int:

@@ -23,7 +23,6 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from ..models.config import ModelConfig
 from .base import (
@@ -39,6 +38,7 @@ from .base import (
     round_half_up,
     score_prompt,
     step_importance,
+    take_channels,
 )
 from .dense import DensePlan
 
@@ -77,11 +77,11 @@ class POPPlan(Plan):
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            "gate": jnp.take(w["gate"], kept, axis=1),  # [d, n_R + n_C]
-            "up": jnp.take(w["up"], kept, axis=1),  # [d, n_R + n_C]
-            "down_retained": jnp.take(w["down"], retained, axis=0),  # [n_R, d]
-            "down_candidates": jnp.take(w["down"], candidates, axis=0),  # [n_C, d]
-            "down_norm_candidates": jnp.take(w["down_norm"], candidates),  # [n_C]
+            "gate": take_channels(w["gate"], kept, axis=1),  # [d, n_R + n_C]
+            "up": take_channels(w["up"], kept, axis=1),  # [d, n_R + n_C]
+            "down_retained": take_channels(w["down"], retained, axis=0),  # [n_R, d]
+            "down_candidates": take_channels(w["down"], candidates, axis=0),  # [n_C, d]
+            "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }
         return y, state, {"importance": importance}
 
@@ -93,10 +93,10 @@ class POPPlan(Plan):
             return y, state, {}
         scores = step_importance(h_candidates, state["down_norm_candidates"])  # [n_C]
         top_scores, selected = jax.lax.top_k(scores, self.m)  # S_t, positions within C
-        y = y + jnp.take(h_candidates, selected, axis=-1) @ jnp.take(
+        y = y + take_channels(h_candidates, selected, axis=-1) @ take_channels(
             state["down_candidates"], selected, axis=0
         )
-        aux = {"selected": jnp.take(state["candidate_idx"], selected), "scores": top_scores}
+        aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
         return y, state, aux
 
     def ffn_flops_per_token(self, d: int) -> int:

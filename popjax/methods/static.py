@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax.numpy as jnp
 
 from ..models.config import ModelConfig
 from .base import (
@@ -22,6 +21,7 @@ from .base import (
     kept_channels,
     prefill_per_sequence,
     score_prompt,
+    take_channels,
 )
 from .dense import DensePlan
 
@@ -46,9 +46,9 @@ class StaticPlan(Plan):
         kept = order[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate": jnp.take(w["gate"], kept, axis=1),  # [d, n_keep]
-            "up": jnp.take(w["up"], kept, axis=1),  # [d, n_keep]
-            "down": jnp.take(w["down"], kept, axis=0),  # [n_keep, d]
+            "gate": take_channels(w["gate"], kept, axis=1),  # [d, n_keep]
+            "up": take_channels(w["up"], kept, axis=1),  # [d, n_keep]
+            "down": take_channels(w["down"], kept, axis=0),  # [n_keep, d]
         }
         return y, state, {"importance": importance}
 

@@ -1,0 +1,201 @@
+"""POP, static and dynamic against a plain NumPy reference of SPEC §2, written independently here.
+
+The reference uses loops and argsort on float64 copies; popjax runs fp32 JAX. Partitions and
+selections must agree exactly, outputs within 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from popjax.methods import DynamicPlan, POPPlan, StaticPlan
+
+ATOL = 1e-5
+
+
+# ------------------------------------------------------------------ the NumPy reference
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def ref_sizes(f: int, n_keep: int, gamma: float) -> tuple[int, int, int]:
+    """-> (n_R, n_C, m) as in SPEC §2."""
+    m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)
+    return n_keep - m, 2 * m, m
+
+
+def ref_hidden(W, x):
+    """x [..., d] -> H [..., f], with float64 arithmetic."""
+    return silu(x @ W["gate"]) * (x @ W["up"])
+
+
+def ref_down_norms(W):
+    f = W["down"].shape[0]
+    return np.array([math.sqrt(sum(v * v for v in W["down"][j])) for j in range(f)])
+
+
+def ref_rank(scores):
+    """Indices by decreasing score, ties to the lower index."""
+    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+
+
+def ref_prefill(W, X, valid, n_keep, m):
+    """Shared-mode POP prefill over the whole batch: -> (Y, R, C, importance)."""
+    H = ref_hidden(W, X)
+    dn = ref_down_norms(W)
+    f = H.shape[-1]
+    importance = np.zeros(f)
+    for j in range(f):
+        total = 0.0
+        for b in range(X.shape[0]):
+            for t in range(X.shape[1]):
+                if valid[b, t]:
+                    total += H[b, t, j] ** 2
+        importance[j] = math.sqrt(total) * dn[j]
+    order = ref_rank(importance)
+    n_r = n_keep - m
+    keep = order[:n_keep]
+    Y = H[..., keep] @ W["down"][keep]
+    return Y, order[:n_r], order[n_r : n_r + 2 * m], importance
+
+
+def ref_pop_decode(W, R, C, x, m):
+    """One shared-mode POP decode step, x [B, 1, d] -> (y, selected channel ids in score order)."""
+    H = ref_hidden(W, x)
+    dn = ref_down_norms(W)
+    scores = {c: math.sqrt(sum(H[b, 0, c] ** 2 for b in range(x.shape[0]))) * dn[c] for c in C}
+    selected = sorted(C, key=lambda c: (-scores[c], C.index(c)))[:m]
+    y = sum(H[..., [j]] * W["down"][j] for j in list(R) + selected)
+    return y, selected
+
+
+def ref_dynamic_decode(W, x, n_keep):
+    H = ref_hidden(W, x)
+    dn = ref_down_norms(W)
+    scores = [math.sqrt(sum(H[b, 0, j] ** 2 for b in range(x.shape[0]))) * dn[j] for j in range(H.shape[-1])]
+    keep = ref_rank(scores)[:n_keep]
+    return H[..., keep] @ W["down"][keep]
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+def random_layer(rng, d, f):
+    W = {
+        "gate": rng.normal(0, 0.3, (d, f)),
+        "up": rng.normal(0, 0.3, (d, f)),
+        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),  # outputs O(1)
+    }
+    return W
+
+
+def as_jax(W):
+    out = {k: jnp.asarray(v, jnp.float32) for k, v in W.items()}
+    down = np.asarray(out["down"], np.float64)
+    out["down_norm"] = jnp.asarray(np.sqrt((down**2).sum(1)), jnp.float32)
+    return out
+
+
+def random_batch(rng, d, lengths, T):
+    X = rng.normal(0, 1.0, (len(lengths), T, d))
+    valid = np.zeros((len(lengths), T), bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True  # left padding
+    X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak into statistics
+    return X, valid
+
+
+# (f, n_keep, gamma): ordinary, ratio 0, m clamped by f − n_keep, m clamped by n_keep, tiny f, gamma 0
+CASES = [
+    (96, 67, 0.1),
+    (96, 96, 0.1),
+    (96, 91, 0.5),
+    (96, 5, 0.5),
+    (4, 2, 1.0),
+    (96, 60, 0.0),
+    (96, 48, 0.3),
+]
+
+
+def _plan(f, n_keep, gamma, aggregate):
+    _, _, m = ref_sizes(f, n_keep, gamma)
+    return POPPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate)
+
+
+@pytest.mark.parametrize("f, n_keep, gamma", CASES)
+def test_pop_shared_matches_reference(f, n_keep, gamma):
+    rng = np.random.default_rng(f * 1000 + n_keep)
+    d, steps = 16, 4
+    W = random_layer(rng, d, f)
+    X, valid = random_batch(rng, d, [5, 8, 3], T=8)
+    plan = _plan(f, n_keep, gamma, "shared")
+    n_r, n_c, m = ref_sizes(f, n_keep, gamma)
+    assert (plan.n_retained, plan.n_candidates, plan.m) == (n_r, n_c, m)
+
+    y, state, aux = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    Y_ref, R, C, importance = ref_prefill(W, X, valid, n_keep, m)
+    assert np.asarray(state["retained_idx"]).tolist() == R
+    assert np.asarray(state["candidate_idx"]).tolist() == C
+    np.testing.assert_allclose(np.asarray(aux["importance"]), importance, rtol=1e-5, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(y)[valid], Y_ref[valid], atol=ATOL)
+
+    for step in range(steps):
+        x_t = rng.normal(0, 1.0, (3, 1, d))
+        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step)
+        y_ref, selected = ref_pop_decode(W, R, C, x_t, m)
+        np.testing.assert_allclose(np.asarray(y_t), y_ref, atol=ATOL)
+        if m:
+            assert np.asarray(aux["selected"]).tolist() == selected
+
+
+@pytest.mark.parametrize("f, n_keep, gamma", CASES)
+def test_pop_per_sequence_matches_reference(f, n_keep, gamma):
+    rng = np.random.default_rng(7 + f + n_keep)
+    d = 16
+    W = random_layer(rng, d, f)
+    X, valid = random_batch(rng, d, [6, 2], T=6)
+    plan = _plan(f, n_keep, gamma, "per_sequence")
+    _, _, m = ref_sizes(f, n_keep, gamma)
+    y, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    refs = [ref_prefill(W, X[b : b + 1], valid[b : b + 1], n_keep, m) for b in range(2)]
+    for b, (Y_ref, R, C, _) in enumerate(refs):
+        assert np.asarray(state["retained_idx"][b]).tolist() == R
+        assert np.asarray(state["candidate_idx"][b]).tolist() == C
+        np.testing.assert_allclose(np.asarray(y[b])[valid[b]], Y_ref[0][valid[b]], atol=ATOL)
+    for step in range(3):
+        x_t = rng.normal(0, 1.0, (2, 1, d))
+        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step)
+        for b, (_, R, C, _) in enumerate(refs):
+            y_ref, selected = ref_pop_decode(W, R, C, x_t[b : b + 1], m)
+            np.testing.assert_allclose(np.asarray(y_t[b]), y_ref[0], atol=ATOL)
+            if m:
+                assert np.asarray(aux["selected"][b]).tolist() == selected
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+@pytest.mark.parametrize("f, n_keep", [(96, 67), (4, 1), (32, 31)])
+def test_static_and_dynamic_match_reference(f, n_keep, aggregate):
+    rng = np.random.default_rng(f + n_keep)
+    d = 16
+    W = random_layer(rng, d, f)
+    X, valid = random_batch(rng, d, [4, 7], T=7)
+    groups = [slice(0, 2)] if aggregate == "shared" else [slice(0, 1), slice(1, 2)]
+    x_t = rng.normal(0, 1.0, (2, 1, d))
+    for plan_cls in (StaticPlan, DynamicPlan):
+        plan = plan_cls(f=f, n_keep=n_keep, aggregate=aggregate)
+        y, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+        y_t, _, _ = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), 0)
+        for g in groups:
+            Y_ref, R, C, _ = ref_prefill(W, X[g], valid[g], n_keep, 0)  # m=0: R = top n_keep
+            np.testing.assert_allclose(np.asarray(y[g])[valid[g]], Y_ref[valid[g]], atol=ATOL)
+            if plan_cls is StaticPlan:
+                want = ref_hidden(W, x_t[g])[..., R] @ W["down"][R]
+            else:
+                want = ref_dynamic_decode(W, x_t[g], n_keep)
+            np.testing.assert_allclose(np.asarray(y_t[g]), want, atol=ATOL)
