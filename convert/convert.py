@@ -13,8 +13,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..models.config import ModelConfig
-from ..models.decoder import abstract_model
-from ..models.layers import Derived
 from . import names, readers
 from .readers import CheckpointError
 
@@ -30,13 +28,30 @@ class ConvertedCheckpoint:
     source_kind: str  # "hf" or "gguf"
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Dotted parameter path -> shape, for every saved parameter (derived constants excluded)."""
-    from flax import nnx
-
-    _, state, _ = nnx.split(abstract_model(cfg), nnx.Param, Derived)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-    return {".".join(str(getattr(k, "key", k)) for k in path): tuple(v.shape) for path, v in flat}
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> shape of every tensor a converted checkpoint holds (HF [out, in] layout)."""
+    d, f, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"embed": (V, d), "final_norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (V, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (d,),
+            p + "mlp_norm.weight": (d,),
+            p + "attn.q": (cfg.q_dim, d),
+            p + "attn.k": (cfg.kv_dim, d),
+            p + "attn.v": (cfg.kv_dim, d),
+            p + "attn.o": (d, cfg.q_dim),
+            p + "mlp.gate": (f, d),
+            p + "mlp.up": (f, d),
+            p + "mlp.down": (d, f),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "attn.q_bias": (cfg.q_dim,), p + "attn.k_bias": (cfg.kv_dim,), p + "attn.v_bias": (cfg.kv_dim,)})
+        if cfg.qk_norm:
+            shapes.update({p + "attn.q_norm.weight": (cfg.head_dim,), p + "attn.k_norm.weight": (cfg.head_dim,)})
+    return shapes
 
 
 def check_dtype(dtype: str) -> None:
@@ -57,7 +72,7 @@ def assemble(
     """Maps, transforms, shape-checks and casts each tensor; fails on unmapped, duplicate or
     missing ones. Returns the nested parameter dict."""
     check_dtype(dtype)
-    want = expected_shapes(cfg)
+    want = checkpoint_shapes(cfg)
     flat: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
     for name, array in tqdm(tensors, total=total, desc=f"converting {Path(source).name}", unit="tensor"):

@@ -1,7 +1,9 @@
 """Explicit name maps from HF safetensors and GGUF tensor names to popjax parameter paths.
 
-A rule maps a source-name regex to a target path template and a transform. Source tensors are
-in the HF/PyTorch layout ``[out, in]``; popjax stores ``[in, out]`` (``x @ W``), hence "T".
+A rule maps a source-name regex to a target path template and a transform. Both sides use the
+HF/PyTorch ``[out, in]`` layout; the only transform undoes llama.cpp's q/k row permutation.
+The converted tree keeps q/k/v and gate/up apart (one entry per source tensor); the model
+fuses them when it is built (`popjax.loading.build_model`).
 """
 
 from __future__ import annotations
@@ -18,19 +20,19 @@ from ..models.config import ModelConfig
 class Rule:
     pattern: str  # full-match regex over the source name
     target: str  # dotted path; {0}, {1} are regex groups
-    transform: str = "id"  # "id", "T", "unpermute_q", "unpermute_k" (+ "T" suffix)
+    transform: str = "id"  # "id", "unpermute_q", "unpermute_k"
 
 
 HF_RULES = (
     Rule(r"model\.embed_tokens\.weight", "embed"),
     Rule(r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.attn_norm.weight"),
-    Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", "layers.{0}.attn.{1}", "T"),
+    Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", "layers.{0}.attn.{1}"),
     Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.bias", "layers.{0}.attn.{1}_bias"),
     Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight"),
     Rule(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.mlp_norm.weight"),
-    Rule(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}", "T"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}"),
     Rule(r"model\.norm\.weight", "final_norm.weight"),
-    Rule(r"lm_head\.weight", "lm_head", "T"),
+    Rule(r"lm_head\.weight", "lm_head"),
 )
 # Source tensors that carry no parameter (derived buffers some exporters save).
 HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
@@ -38,18 +40,18 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 GGUF_RULES = (
     Rule(r"token_embd\.weight", "embed"),
     Rule(r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.attn_norm.weight"),
-    Rule(r"blk\.(\d+)\.attn_(q)\.weight", "layers.{0}.attn.{1}", "unpermute_qT"),
-    Rule(r"blk\.(\d+)\.attn_(k)\.weight", "layers.{0}.attn.{1}", "unpermute_kT"),
-    Rule(r"blk\.(\d+)\.attn_(v)\.weight", "layers.{0}.attn.{1}", "T"),
-    Rule(r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o", "T"),
+    Rule(r"blk\.(\d+)\.attn_(q)\.weight", "layers.{0}.attn.{1}", "unpermute_q"),
+    Rule(r"blk\.(\d+)\.attn_(k)\.weight", "layers.{0}.attn.{1}", "unpermute_k"),
+    Rule(r"blk\.(\d+)\.attn_(v)\.weight", "layers.{0}.attn.{1}"),
+    Rule(r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o"),
     Rule(r"blk\.(\d+)\.attn_(q)\.bias", "layers.{0}.attn.{1}_bias", "unpermute_q"),
     Rule(r"blk\.(\d+)\.attn_(k)\.bias", "layers.{0}.attn.{1}_bias", "unpermute_k"),
     Rule(r"blk\.(\d+)\.attn_(v)\.bias", "layers.{0}.attn.{1}_bias"),
     Rule(r"blk\.(\d+)\.attn_(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight"),
     Rule(r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.mlp_norm.weight"),
-    Rule(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers.{0}.mlp.{1}", "T"),
+    Rule(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers.{0}.mlp.{1}"),
     Rule(r"output_norm\.weight", "final_norm.weight"),
-    Rule(r"output\.weight", "lm_head", "T"),
+    Rule(r"output\.weight", "lm_head"),
 )
 GGUF_IGNORED: tuple[str, ...] = ()
 
@@ -75,11 +77,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def apply_transform(w: np.ndarray, transform: str, cfg: ModelConfig, unpermute: bool) -> np.ndarray:
     """Applies a rule's transform; llama.cpp permutes q/k only for the LLaMA architecture."""
-    if transform.startswith("unpermute_"):
-        if unpermute:
-            heads = cfg.num_attention_heads if transform[10] == "q" else cfg.num_key_value_heads
-            w = _unpermute(w, heads)
-        transform = transform[11:] or "id"
-    if transform == "T":
-        return np.ascontiguousarray(w.T)
+    if transform.startswith("unpermute_") and unpermute:
+        heads = cfg.num_attention_heads if transform == "unpermute_q" else cfg.num_key_value_heads
+        return _unpermute(w, heads)
     return w

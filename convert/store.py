@@ -25,7 +25,7 @@ from typing import Any, Callable
 from ..models.config import ModelConfig
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: HF [out, in] layout
 MARKER = "popjax.json"
 
 

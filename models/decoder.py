@@ -45,7 +45,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+            self.lm_head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
 
     def finalize(self) -> None:
         """Computes derived per-model constants after the weights are loaded."""
@@ -55,9 +55,8 @@ class Transformer(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """h [B, T, d] -> fp32 logits [B, T, V]."""
         h = self.final_norm(h)
-        if self.cfg.tie_word_embeddings:
-            return jnp.einsum("btd,vd->btv", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head  # [V, d]
+        return jnp.einsum("btd,vd->btv", h, head[...], preferred_element_type=jnp.float32)
 
     def __call__(
         self,

@@ -68,10 +68,10 @@ def _left_pad(prompts: list[list[int]], length: int, pad_id: int) -> tuple[np.nd
     return tokens, mask
 
 
-def _stop_ids(model: LoadedModel, extra: Sequence[int] | None) -> np.ndarray:
-    ids = set(model.config.eos_token_ids)
+def _stop_ids(model: LoadedModel, extra: Sequence[int] | None, ignore_eos: bool = False) -> np.ndarray:
+    ids = set() if ignore_eos else set(model.config.eos_token_ids)
     tok = model.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
+    if tok is not None and tok.eos_token_id is not None and not ignore_eos:
         ids.add(int(tok.eos_token_id))
     ids.update(int(i) for i in (extra or ()))
     if len(ids) > MAX_STOP_IDS:
@@ -105,8 +105,12 @@ def generate_ids(
     method: Method | str | None = None,
     stop_ids: Sequence[int] | None = None,
     return_trace: bool = False,
+    ignore_eos: bool = False,
 ) -> tuple[list[list[int]], dict[str, Any] | None]:
-    """Token-id prompts -> generated ids per prompt (stop token excluded), and the trace."""
+    """Token-id prompts -> generated ids per prompt (stop token excluded), and the trace.
+
+    ``ignore_eos`` generates exactly ``max_new_tokens`` unless a ``stop_ids`` entry appears
+    (benchmarks, teacher-free evaluation)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; use an integer ≥ 1")
     sampling = SamplingParams.create(temperature, top_k, top_p)
@@ -119,7 +123,7 @@ def generate_ids(
     capacity = engine.bucket_for(max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
     pad_id = 0
     tokens, mask = _left_pad(prompts, length, pad_id)
-    stops = _stop_ids(model, stop_ids)
+    stops = _stop_ids(model, stop_ids, ignore_eos)
     key = jax.random.key(seed) if isinstance(seed, int) else seed
     logits, caches, states, prefill_aux = engine.prefill(
         model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), plan, with_aux=return_trace

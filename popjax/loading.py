@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .convert import convert as conv
@@ -149,12 +150,31 @@ def _load_tokenizer_direct(kind: str, path: Path):
         return AutoTokenizer.from_pretrained(tmp)
 
 
+def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
+    """Converted checkpoint tree (HF layout, q/k/v and gate/up apart) -> the module's tree
+    (``attn.qkv``, ``attn.qkv_bias``, ``mlp.gate_up``), with str layer keys."""
+    out = {k: v for k, v in tree.items() if k != "layers"}
+    out["layers"] = {}
+    for key, layer in tree["layers"].items():
+        attn = dict(layer["attn"])
+        fused_attn = {"qkv": np.concatenate([attn.pop("q"), attn.pop("k"), attn.pop("v")], axis=0)}
+        if cfg.qkv_bias:
+            fused_attn["qkv_bias"] = np.concatenate([attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias")])
+        mlp = layer["mlp"]
+        out["layers"][str(key)] = {
+            **{k: v for k, v in layer.items() if k not in ("attn", "mlp")},
+            "attn": {**attn, **fused_attn},
+            "mlp": {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]},
+        }
+    return out
+
+
 def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str) -> LoadedModel:
-    """Places a nested dict of arrays into the Transformer and computes derived constants."""
+    """Places a converted checkpoint tree into the Transformer and computes derived constants."""
     dtype_jnp = jnp.dtype(dtype)
     graphdef, state = nnx.split(abstract_model(cfg, dtype_jnp))
     pure = nnx.to_pure_dict(state)
-    _fill(pure, params, "")
+    _fill(pure, fuse_checkpoint(cfg, params), "")
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     model.finalize()
@@ -171,4 +191,4 @@ def _fill(target: dict, source: dict, prefix: str) -> None:
         elif name.endswith("down_norm"):
             target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize()
         else:
-            target[key] = jnp.asarray(source[str(key)], value.dtype)
+            target[key] = jnp.asarray(np.asarray(source[str(key)]), value.dtype)

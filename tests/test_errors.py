@@ -99,7 +99,7 @@ def test_misshaped_tensor(checkpoint_copy):
         t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][:, :50].copy()
 
     _edit_tensors(checkpoint_copy, shrink)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' .* shape \(50, 64\).*expected \(96, 64\)"):
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' .* shape \(64, 50\).*expected \(64, 96\)"):
         popjax.load(checkpoint_copy, cache=False)
 
 

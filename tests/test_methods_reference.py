@@ -96,10 +96,13 @@ def random_layer(rng, d, f):
 
 
 def as_jax(W):
-    out = {k: jnp.asarray(v, jnp.float32) for k, v in W.items()}
-    down = np.asarray(out["down"], np.float64)
-    out["down_norm"] = jnp.asarray(np.sqrt((down**2).sum(1)), jnp.float32)
-    return out
+    """Math layout (gate/up [d, f], down [f, d]) -> popjax's layer dict (HF [out, in] layout)."""
+    down = np.asarray(W["down"], np.float32)
+    return {
+        "gate_up": jnp.asarray(np.concatenate([W["gate"].T, W["up"].T]), jnp.float32),  # [2f, d]
+        "down": jnp.asarray(down.T),  # [d, f]
+        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
+    }
 
 
 def random_batch(rng, d, lengths, T):

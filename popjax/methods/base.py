@@ -7,8 +7,8 @@ functions called at every layer's MLP:
     plan.prefill(w, x [B, T, d], valid [B, T]) -> (y [B, T, d], state, aux)
     plan.decode(w, state, x_t [B, 1, d], step)  -> (y_t [B, 1, d], state, aux)
 
-``w`` holds ``gate, up [d, f]``, ``down [f, d]`` and ``down_norm [f]`` (‖W_d[:, j]‖₂, computed
-once per model). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
+``w`` holds ``gate_up [2f, d]`` (gate rows, then up rows), ``down [d, f]`` (HF layout) and
+``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
 removes its computation.
 """
 
@@ -78,9 +78,16 @@ def check_gamma(gamma: float) -> None:
 # ---------------------------------------------------------------- shared MLP math
 
 
-def activations(gate: jax.Array, up: jax.Array, x: jax.Array) -> jax.Array:
-    """H = silu(x W_g) ⊙ (x W_u): x [..., d], gate/up [d, n] -> [..., n]."""
-    return jax.nn.silu(x @ gate) * (x @ up)
+def activations(gate_up: jax.Array, x: jax.Array) -> jax.Array:
+    """H = silu(x W_gᵀ) ⊙ (x W_uᵀ): x [..., d], gate_up [2n, d] -> [..., n]."""
+    gu = jnp.einsum("...d,nd->...n", x, gate_up)
+    n = gate_up.shape[0] // 2
+    return jax.nn.silu(gu[..., :n]) * gu[..., n:]
+
+
+def down_proj(h: jax.Array, down: jax.Array) -> jax.Array:
+    """h [..., n] with down [d, n] -> [..., d]."""
+    return jnp.einsum("...n,dn->...d", h, down)
 
 
 def prefill_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
@@ -101,14 +108,20 @@ def rank_channels(importance: jax.Array) -> jax.Array:
 
 
 def take_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
-    """Gathers channels ``idx`` of a weight along ``axis`` (1 for gate/up [d, f], 0 for down)."""
+    """Gathers channels ``idx`` of an array along ``axis`` (columns of down: axis 1)."""
     return jnp.take(w, idx, axis=axis, mode=TAKE_MODE)
+
+
+def take_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
+    """Compact gate/up rows of channels ``idx`` [n]: [2f, d] -> [2n, d] (gate rows, then up)."""
+    f = gate_up.shape[0] // 2
+    return take_channels(gate_up, jnp.concatenate([idx, idx + f]), axis=0)
 
 
 def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array:
     """W_d applied to the channels ``keep_idx`` only: h [B, T, f] -> [B, T, d]."""
     keep = jnp.zeros(h.shape[-1], h.dtype).at[keep_idx].set(1, mode=IN_BOUNDS)
-    return (h * keep) @ down
+    return down_proj(h * keep, down)
 
 
 def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep: int):
@@ -117,7 +130,7 @@ def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep
     (W_d applied to the top ``n_keep`` channels).
 
     x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f])."""
-    h = activations(w["gate"], w["up"], x)
+    h = activations(w["gate_up"], x)
     importance = prefill_importance(h, valid, w["down_norm"])
     order = rank_channels(importance)
     return masked_down(h, order[:n_keep], w["down"]), order, importance

@@ -6,7 +6,7 @@ import dataclasses
 from typing import ClassVar
 
 from ..models.config import ModelConfig
-from .base import Method, Plan, activations
+from .base import Method, Plan, activations, down_proj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,10 +15,10 @@ class DensePlan(Plan):
 
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], no state, no aux)."""
-        return activations(w["gate"], w["up"], x) @ w["down"], None, {}
+        return down_proj(activations(w["gate_up"], x), w["down"]), None, {}
 
     def decode(self, w, state, x, step):
-        return activations(w["gate"], w["up"], x) @ w["down"], state, {}
+        return down_proj(activations(w["gate_up"], x), w["down"]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.f

@@ -18,6 +18,7 @@ from .base import (
     Method,
     Plan,
     activations,
+    down_proj,
     check_aggregate,
     check_global_ratio,
     decode_per_sequence,
@@ -51,10 +52,10 @@ class DynamicPlan(Plan):
         return y, jnp.zeros((0,), jnp.int32), {"importance": importance}
 
     def _decode(self, w, state, x, step):
-        h = activations(w["gate"], w["up"], x)  # [B, 1, f]
+        h = activations(w["gate_up"], x)  # [B, 1, f]
         scores = step_importance(h, w["down_norm"])  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
-        y = take_channels(h, selected, axis=-1) @ take_channels(w["down"], selected, axis=0)
+        y = down_proj(take_channels(h, selected, axis=-1), take_channels(w["down"], selected, axis=1))
         return y, state, {"scores": scores}
 
     def ffn_flops_per_token(self, d: int) -> int:

@@ -29,6 +29,7 @@ from .base import (
     Method,
     Plan,
     activations,
+    down_proj,
     check_aggregate,
     check_gamma,
     check_global_ratio,
@@ -39,6 +40,7 @@ from .base import (
     score_prompt,
     step_importance,
     take_channels,
+    take_gate_up,
 )
 from .dense import DensePlan
 
@@ -77,18 +79,18 @@ class POPPlan(Plan):
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            "gate": take_channels(w["gate"], kept, axis=1),  # [d, n_R + n_C]
-            "up": take_channels(w["up"], kept, axis=1),  # [d, n_R + n_C]
-            "down_retained": take_channels(w["down"], retained, axis=0),  # [n_R, d]
-            "down_candidates": take_channels(w["down"], candidates, axis=0),  # [n_C, d]
+            "gate_up": take_gate_up(w["gate_up"], kept),  # [2(n_R + n_C), d]
+            "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
+            # rows, so that a step gathers its m selected channels contiguously
+            "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }
         return y, state, {"importance": importance}
 
     def _decode(self, w, state, x, step):
-        h = activations(state["gate"], state["up"], x)  # [B, 1, n_R + n_C]
+        h = activations(state["gate_up"], x)  # [B, 1, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
-        y = h_retained @ state["down_retained"]
+        y = down_proj(h_retained, state["down_retained"])
         if self.m == 0:
             return y, state, {}
         scores = step_importance(h_candidates, state["down_norm_candidates"])  # [n_C]

@@ -15,6 +15,7 @@ from .base import (
     Method,
     Plan,
     activations,
+    down_proj,
     check_aggregate,
     check_global_ratio,
     decode_per_sequence,
@@ -22,6 +23,7 @@ from .base import (
     prefill_per_sequence,
     score_prompt,
     take_channels,
+    take_gate_up,
 )
 from .dense import DensePlan
 
@@ -46,14 +48,13 @@ class StaticPlan(Plan):
         kept = order[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate": take_channels(w["gate"], kept, axis=1),  # [d, n_keep]
-            "up": take_channels(w["up"], kept, axis=1),  # [d, n_keep]
-            "down": take_channels(w["down"], kept, axis=0),  # [n_keep, d]
+            "gate_up": take_gate_up(w["gate_up"], kept),  # [2 n_keep, d]
+            "down": take_channels(w["down"], kept, axis=1),  # [d, n_keep]
         }
         return y, state, {"importance": importance}
 
     def _decode(self, w, state, x, step):
-        return activations(state["gate"], state["up"], x) @ state["down"], state, {}
+        return down_proj(activations(state["gate_up"], x), state["down"]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.n_keep
