@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands defined beside their implementation (bench, eval)."""
-    return []
+    from . import bench
+    from .eval import cli as eval_cli
+
+    return [bench.register_cli, eval_cli.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

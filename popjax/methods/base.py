@@ -177,6 +177,30 @@ class Plan:
 
 
 @dataclasses.dataclass(frozen=True)
+class AggregatedPlan(Plan):
+    """A plan written for the shared mode (statistics over the whole batch) in ``_prefill`` and
+    ``_decode``; ``aggregate="per_sequence"`` runs the same code per sequence through vmap."""
+
+    aggregate: str = "shared"
+
+    def prefill(self, w, x, valid):
+        if self.aggregate == "per_sequence":
+            return prefill_per_sequence(self._prefill, w, x, valid)
+        return self._prefill(w, x, valid)
+
+    def decode(self, w, state, x, step):
+        if self.aggregate == "per_sequence":
+            return decode_per_sequence(self._decode, w, state, x, step)
+        return self._decode(w, state, x, step)
+
+    def _prefill(self, w, x, valid):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _decode(self, w, state, x, step):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
 class Method:
     """Base of user-facing methods: hyper-parameters only; ``bind`` resolves the plan."""
 
@@ -187,3 +211,30 @@ class Method:
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioMethod(Method):
+    """A method pruning a global ``ratio`` of decoder parameters from the FFN (SPEC §1), in the
+    shared or per-sequence aggregate mode. Subclasses name their plan class and may add sizes
+    in ``plan_sizes``; a ratio that keeps every channel binds to the dense plan."""
+
+    plan_class: ClassVar[type] = AggregatedPlan
+    ratio: float = 0.2
+    _: dataclasses.KW_ONLY
+    aggregate: str = "shared"
+
+    def __post_init__(self):
+        check_global_ratio(self.ratio)
+        check_aggregate(self.aggregate)
+
+    def plan_sizes(self, f: int, n_keep: int) -> dict[str, int]:
+        return {}
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        from .dense import DensePlan  # dense.py imports this module
+
+        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
+        if n_keep == f:
+            return DensePlan(f=f, n_keep=f)
+        return self.plan_class(f=f, n_keep=n_keep, aggregate=self.aggregate, **self.plan_sizes(f, n_keep))

@@ -13,38 +13,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..models.config import ModelConfig
-from .base import (
-    Method,
-    Plan,
-    activations,
-    down_proj,
-    check_aggregate,
-    check_global_ratio,
-    decode_per_sequence,
-    kept_channels,
-    prefill_per_sequence,
-    score_prompt,
-    step_importance,
-    take_channels,
-)
-from .dense import DensePlan
+from .base import AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, step_importance, take_channels
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicPlan(Plan):
+class DynamicPlan(AggregatedPlan):
     name: ClassVar[str] = "dynamic"
-    aggregate: str = "shared"
-
-    def prefill(self, w, x, valid):
-        if self.aggregate == "per_sequence":
-            return prefill_per_sequence(self._prefill, w, x, valid)
-        return self._prefill(w, x, valid)
-
-    def decode(self, w, state, x, step):
-        if self.aggregate == "per_sequence":
-            return decode_per_sequence(self._decode, w, state, x, step)
-        return self._decode(w, state, x, step)
 
     def _prefill(self, w, x, valid):
         y, _, importance = score_prompt(w, x, valid, self.n_keep)
@@ -63,19 +37,9 @@ class DynamicPlan(Plan):
 
 
 @dataclasses.dataclass(frozen=True)
-class Dynamic(Method):
-    """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling)."""
+class Dynamic(RatioMethod):
+    """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling of
+    POP at a much higher cost). ``Dynamic(ratio, aggregate="shared" | "per_sequence")``."""
 
     name: ClassVar[str] = "dynamic"
-    ratio: float = 0.2
-    aggregate: str = "shared"
-
-    def __post_init__(self):
-        check_global_ratio(self.ratio)
-        check_aggregate(self.aggregate)
-
-    def bind(self, cfg: ModelConfig) -> Plan:
-        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
-        if n_keep == f:
-            return DensePlan(f=f, n_keep=f)
-        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate)
+    plan_class: ClassVar[type] = DynamicPlan

@@ -24,32 +24,24 @@ from typing import ClassVar
 
 import jax
 
-from ..models.config import ModelConfig
 from .base import (
-    Method,
-    Plan,
+    AggregatedPlan,
+    RatioMethod,
     activations,
-    down_proj,
-    check_aggregate,
     check_gamma,
-    check_global_ratio,
-    decode_per_sequence,
-    kept_channels,
-    prefill_per_sequence,
+    down_proj,
     round_half_up,
     score_prompt,
     step_importance,
     take_channels,
     take_gate_up,
 )
-from .dense import DensePlan
 
 
 @dataclasses.dataclass(frozen=True)
-class POPPlan(Plan):
+class POPPlan(AggregatedPlan):
     name: ClassVar[str] = "pop"
     m: int = 0  # candidates selected per step
-    aggregate: str = "shared"
 
     @property
     def n_retained(self) -> int:
@@ -59,19 +51,8 @@ class POPPlan(Plan):
     def n_candidates(self) -> int:
         return 2 * self.m
 
-    def prefill(self, w, x, valid):
-        """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
-        if self.aggregate == "per_sequence":
-            return prefill_per_sequence(self._prefill, w, x, valid)
-        return self._prefill(w, x, valid)
-
-    def decode(self, w, state, x, step):
-        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
-        if self.aggregate == "per_sequence":
-            return decode_per_sequence(self._decode, w, state, x, step)
-        return self._decode(w, state, x, step)
-
     def _prefill(self, w, x, valid):
+        """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
         n_r, n_c = self.n_retained, self.n_candidates
         retained, candidates = order[:n_r], order[n_r : n_r + n_c]
@@ -88,6 +69,7 @@ class POPPlan(Plan):
         return y, state, {"importance": importance}
 
     def _decode(self, w, state, x, step):
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
         h = activations(state["gate_up"], x)  # [B, 1, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
         y = down_proj(h_retained, state["down_retained"])
@@ -106,8 +88,8 @@ class POPPlan(Plan):
 
 
 @dataclasses.dataclass(frozen=True)
-class POP(Method):
-    """Partition-guided Online Pruning.
+class POP(RatioMethod):
+    """Partition-guided Online Pruning: ``POP(ratio=0.2, gamma=0.1, aggregate="shared")``.
 
     Args:
       ratio: global fraction of decoder parameters removed, in [0, 1); all of it comes from the
@@ -118,19 +100,12 @@ class POP(Method):
     """
 
     name: ClassVar[str] = "pop"
-    ratio: float = 0.2
-    gamma: float = 0.1
-    aggregate: str = "shared"
+    plan_class: ClassVar[type] = POPPlan
+    gamma: float = dataclasses.field(default=0.1, kw_only=True)
 
     def __post_init__(self):
-        check_global_ratio(self.ratio)
+        super().__post_init__()
         check_gamma(self.gamma)
-        check_aggregate(self.aggregate)
 
-    def bind(self, cfg: ModelConfig) -> Plan:
-        f = cfg.intermediate_size
-        n_keep = kept_channels(cfg, self.ratio)
-        if n_keep == f:
-            return DensePlan(f=f, n_keep=f)
-        m = min(round_half_up(self.gamma * f / 2), f - n_keep, n_keep)
-        return POPPlan(f=f, n_keep=n_keep, m=m, aggregate=self.aggregate)
+    def plan_sizes(self, f: int, n_keep: int) -> dict[str, int]:
+        return {"m": min(round_half_up(self.gamma * f / 2), f - n_keep, n_keep)}

@@ -1,7 +1,7 @@
 """Static ablation (POP paper Table 6, variant 1; ≈ GRIFFIN with POP's metric; SPEC §2).
 
 The top n_keep channels by prefill importance are fixed for the whole generation; their
-gate/up columns and down rows are gathered once at prefill.
+gate/up rows and down columns are gathered once at prefill.
 """
 
 from __future__ import annotations
@@ -9,39 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-
-from ..models.config import ModelConfig
-from .base import (
-    Method,
-    Plan,
-    activations,
-    down_proj,
-    check_aggregate,
-    check_global_ratio,
-    decode_per_sequence,
-    kept_channels,
-    prefill_per_sequence,
-    score_prompt,
-    take_channels,
-    take_gate_up,
-)
-from .dense import DensePlan
+from .base import AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, take_channels, take_gate_up
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticPlan(Plan):
+class StaticPlan(AggregatedPlan):
     name: ClassVar[str] = "static"
-    aggregate: str = "shared"
-
-    def prefill(self, w, x, valid):
-        if self.aggregate == "per_sequence":
-            return prefill_per_sequence(self._prefill, w, x, valid)
-        return self._prefill(w, x, valid)
-
-    def decode(self, w, state, x, step):
-        if self.aggregate == "per_sequence":
-            return decode_per_sequence(self._decode, w, state, x, step)
-        return self._decode(w, state, x, step)
 
     def _prefill(self, w, x, valid):
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
@@ -61,19 +34,9 @@ class StaticPlan(Plan):
 
 
 @dataclasses.dataclass(frozen=True)
-class Static(Method):
-    """Prefill-fixed structured pruning: top n_keep channels by prompt importance, kept for good."""
+class Static(RatioMethod):
+    """Prefill-fixed structured pruning: the top n_keep channels by prompt importance, kept for
+    the whole generation. ``Static(ratio, aggregate="shared" | "per_sequence")``."""
 
     name: ClassVar[str] = "static"
-    ratio: float = 0.2
-    aggregate: str = "shared"
-
-    def __post_init__(self):
-        check_global_ratio(self.ratio)
-        check_aggregate(self.aggregate)
-
-    def bind(self, cfg: ModelConfig) -> Plan:
-        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
-        if n_keep == f:
-            return DensePlan(f=f, n_keep=f)
-        return StaticPlan(f=f, n_keep=n_keep, aggregate=self.aggregate)
+    plan_class: ClassVar[type] = StaticPlan

@@ -1,0 +1,82 @@
+"""``popjax eval``: the evaluation sweep from the command line, writing JSON, a table, plots and a report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+
+from .harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
+from .tasks import FidelitySettings, HumanEvalSettings, NLLSettings
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--methods", type=_csv(str), default=["dense", "static", "pop", "dynamic"])
+    p.add_argument("--ratios", type=_csv(float), default=[0.2, 0.4])
+    p.add_argument("--gamma", type=float, default=0.1, help="POP's candidate band (default 0.1)")
+    p.add_argument("--aggregate", default="per_sequence", help="per_sequence (default) or shared")
+    p.add_argument("--tasks", type=_csv(str), default=["nll", "fidelity", "humaneval"])
+    p.add_argument("--play", default="hamlet", help="Shakespeare play for the NLL task (see popjax.eval.data)")
+    p.add_argument("--text-file", default=None, help="evaluate NLL on this UTF-8 text instead of a play")
+    p.add_argument("--nll-prompt-tokens", type=int, default=256)
+    p.add_argument("--nll-decode-tokens", type=int, default=128)
+    p.add_argument("--nll-windows", type=int, default=16)
+    p.add_argument("--fidelity-tokens", type=int, default=48)
+    p.add_argument("--fidelity-instructions", type=int, default=16, help="chat instructions used (max 16)")
+    p.add_argument("--fidelity-humaneval", type=int, default=8, help="HumanEval prompts added")
+    p.add_argument("--humaneval-subset", type=int, default=None, help="first N problems (default all 164)")
+    p.add_argument("--humaneval-tokens", type=int, default=192)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--out", default=None, help="directory for report.md and the plots")
+    p.set_defaults(run=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    from ..bench import write_json_atomic
+    from ..loading import load
+    from .data import load_play, load_text_file
+
+    check_tasks(args.tasks)  # validate before the (slow) load
+    methods = sweep_methods(args.methods, args.ratios, args.gamma, args.aggregate)
+    text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
+    settings = EvalSettings(
+        nll=NLLSettings(args.nll_prompt_tokens, args.nll_decode_tokens, args.nll_windows, args.batch_size),
+        fidelity=FidelitySettings(args.fidelity_tokens, args.batch_size),
+        humaneval=HumanEvalSettings(args.humaneval_subset, args.humaneval_tokens, args.batch_size),
+        fidelity_instructions=args.fidelity_instructions,
+        fidelity_humaneval_prompts=args.fidelity_humaneval,
+    )
+    model = load(args.model)
+    records = evaluate(model, methods, args.tasks, text, settings)
+    table = markdown_table(records)
+    print(table)
+    if args.json:
+        write_json_atomic(Path(args.json), {"command": _command_line(), "records": records})
+    if args.out:
+        out = Path(args.out)
+        plots = plot_records(records, out)
+        source = args.text_file or f"Shakespeare, {args.play}"
+        lines = [
+            "# popjax evaluation",
+            "",
+            f"Model `{args.model}`, NLL text: {source}. Generated {datetime.date.today()} by",
+            "",
+            f"```bash\n{_command_line()}\n```",
+            "",
+            table,
+            "",
+        ] + [f"![{p.stem}]({p.name})" for p in plots]
+        (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _command_line() -> str:
+    return "popjax " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -1,0 +1,167 @@
+"""The evaluation sweep: methods × ratios × tasks -> JSON records, a markdown table and plots.
+
+A record is ``{"method", "ratio", "task", <metrics by name>, "ffn_flops_overhead_vs_static"}``.
+Pruning methods run with ``aggregate="per_sequence"`` by default: each sequence gets its own
+partition, which equals the paper's batch-1 setting while still batching for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..flops import flops_report
+from ..loading import LoadedModel
+from ..methods import Method, make_method
+from . import tasks as T
+from .data import INSTRUCTIONS, humaneval_problems
+
+log = logging.getLogger(__name__)
+TASKS = ("nll", "fidelity", "humaneval")
+METRICS = {  # what the table and the ratio plots show, per task
+    "nll": ("nll", "ppl"),
+    "fidelity": ("agreement_prefix", "agreement", "kl"),
+    "humaneval": ("pass_at_1",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    nll: T.NLLSettings = T.NLLSettings()
+    fidelity: T.FidelitySettings = T.FidelitySettings()
+    humaneval: T.HumanEvalSettings = T.HumanEvalSettings()
+    fidelity_instructions: int = len(INSTRUCTIONS)  # instructions through the chat template
+    fidelity_humaneval_prompts: int = 8  # HumanEval prompts added to the instructions
+
+
+def check_tasks(task_names: list[str]) -> None:
+    unknown = sorted(set(task_names) - set(TASKS))
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; valid tasks: {list(TASKS)}")
+
+
+def sweep_methods(names: list[str], ratios: list[float], gamma: float, aggregate: str) -> list[Method]:
+    """dense once, then each pruning method at each ratio."""
+    methods: list[Method] = [make_method("dense")] if "dense" in names else []
+    for name in names:
+        if name == "dense":
+            continue
+        for ratio in ratios:
+            hyper = {"ratio": ratio, "aggregate": aggregate}
+            if name == "pop":
+                hyper["gamma"] = gamma
+            methods.append(make_method(name, **hyper))
+    return methods
+
+
+def fidelity_prompts(model: LoadedModel, n_instructions: int, n_humaneval: int) -> list[list[int]]:
+    """The first instructions through the chat template, plus the first raw HumanEval prompts."""
+    tok = model.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        for text in INSTRUCTIONS[:n_instructions]
+    ]
+    prompts += [p["prompt"] for p in humaneval_problems(n_humaneval)]
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def evaluate(
+    model: LoadedModel, methods: list[Method], task_names: list[str], text: str, settings: EvalSettings
+) -> list[dict[str, Any]]:
+    """Runs every task for every method; returns one record per (method, ratio, task)."""
+    check_tasks(task_names)
+    records = []
+    reference = prompts = problems = None
+    if "fidelity" in task_names:
+        prompts = fidelity_prompts(model, settings.fidelity_instructions, settings.fidelity_humaneval_prompts)
+        reference = T.dense_reference(model, prompts, settings.fidelity)
+    if "humaneval" in task_names:
+        problems = humaneval_problems(settings.humaneval.subset)
+    jobs = [(m, t) for m in methods for t in task_names]
+    for method, task in tqdm(jobs, desc="eval", unit="run"):
+        if task == "nll":
+            metrics = T.online_nll(model, method, text, settings.nll)
+        elif task == "fidelity":
+            metrics = T.fidelity(model, method, prompts, reference, settings.fidelity)
+        else:
+            metrics = T.humaneval(model, method, problems, settings.humaneval)
+        records.append({
+            "method": method.name,
+            "ratio": getattr(method, "ratio", 0.0),
+            "gamma": getattr(method, "gamma", None),
+            "aggregate": getattr(method, "aggregate", None),
+            "task": task,
+            **metrics,
+            "ffn_flops_overhead_vs_static": flops_report(model.config, method)["overhead_vs_static_of_dense"],
+        })
+    return records
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """One row per (method, ratio) with every metric found, plus the FFN FLOPs overhead."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        row = rows.setdefault((r["method"], r["ratio"]), {"overhead": r["ffn_flops_overhead_vs_static"]})
+        for metric in METRICS[r["task"]]:
+            row[metric] = r[metric]
+    columns = [m for task in TASKS for m in METRICS[task] if any(m in row for row in rows.values())]
+    lines = [
+        "| method | ratio | " + " | ".join(columns) + " | FFN FLOPs over static (% of dense) |",
+        "|---|---|" + "---|" * (len(columns) + 1),
+    ]
+    order = {"dense": 0, "static": 1, "pop": 2, "dynamic": 3}
+    for (method, ratio), row in sorted(rows.items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 9))):
+        cells = [f"{row[c]:.4f}" if c in row else "" for c in columns]
+        lines.append(f"| {method} | {ratio:.2f} | " + " | ".join(cells) + f" | {100 * row['overhead']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot_records(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """NLL by decode position per method, and each metric against the ratio. Returns PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    nll = [r for r in records if r["task"] == "nll"]
+    if nll:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in nll:
+            curve = np.asarray(r["nll_by_position"])
+            bins = max(1, len(curve) // 16)
+            smooth = curve[: len(curve) // bins * bins].reshape(-1, bins).mean(1)
+            label = "dense" if r["method"] == "dense" else f"{r['method']} {r['ratio']:.0%}"
+            ax.plot(np.arange(len(smooth)) * bins + bins / 2, smooth, label=label, ls="-" if r["ratio"] <= 0.2 else "--")
+        ax.set(xlabel="decode position (tokens after the prefilled context)", ylabel="NLL (nats, binned)",
+               title="Online teacher-forced NLL by decode position")
+        ax.legend(fontsize=8, ncol=2)
+        fig.tight_layout()
+        paths.append(out_dir / "nll_by_position.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    for task, metrics in METRICS.items():
+        for metric in metrics:
+            rows = [r for r in records if r["task"] == task and metric in r]
+            if not rows:
+                continue
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            for method in sorted({r["method"] for r in rows} - {"dense"}):
+                pts = sorted((r["ratio"], r[metric]) for r in rows if r["method"] == method)
+                ax.plot(*zip(*pts), marker="o", label=method)
+            for r in rows:
+                if r["method"] == "dense":
+                    ax.axhline(r[metric], color="gray", ls=":", label="dense")
+            ax.set(xlabel="global pruning ratio", ylabel=metric, title=f"{metric} ({task})")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            paths.append(out_dir / f"{metric}_vs_ratio.png")
+            fig.savefig(paths[-1], dpi=120)
+            plt.close(fig)
+    return paths
