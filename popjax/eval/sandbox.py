@@ -1,15 +1,17 @@
 """Runs untrusted generated code in a separate Python process with a timeout and resource limits.
 
 The evaluating process never executes generated code. The child runs in isolated mode (-I) in
-an empty temporary directory, with limits on address space, CPU time, file size and processes,
-in its own session so that a timeout kills everything it started.
+an empty temporary directory, in its own session so that a timeout kills everything it started,
+and sets limits on address space, CPU time and file size on itself before it runs the program.
+(Setting them in the child, not through ``preexec_fn``, keeps the fork free of Python code,
+which can deadlock a multithreaded parent such as JAX.) This is a best-effort sandbox for
+benchmark code, not a security boundary against hostile code running as root.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -24,14 +26,13 @@ class RunResult:
     stderr_tail: str = ""
 
 
-def _limits(memory_mb: int, cpu_s: int):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+_BOOTSTRAP = """
+import resource, runpy, sys
+for limit, value in ((resource.RLIMIT_AS, {memory}), (resource.RLIMIT_CPU, {cpu}),
+                     (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
 
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> RunResult:
@@ -40,14 +41,14 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> Run
         program = Path(tmp) / "program.py"
         program.write_text(code)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "HOME": tmp}
+        bootstrap = _BOOTSTRAP.format(memory=memory_mb << 20, cpu=int(timeout_s) + 1)
         proc = subprocess.Popen(
-            [sys.executable, "-I", str(program)],
+            [sys.executable, "-I", "-c", bootstrap, str(program)],
             cwd=tmp,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_limits(memory_mb, int(timeout_s) + 1),
             start_new_session=True,
         )
         try:
