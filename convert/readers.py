@@ -149,3 +149,33 @@ def iter_gguf_tensors(reader, path: Path) -> Iterator[tuple[str, np.ndarray]]:
                 f"cannot dequantize tensor {tensor.name!r} ({tensor.tensor_type.name}) in {path}: {err}"
             ) from None
         yield tensor.name, values
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer a GGUF file describes, as a transformers fast tokenizer, built without
+    torch: transformers' own GGUF reader imports torch, so the metadata is read here with the
+    ``gguf`` package and handed to transformers' (torch-free) tokenizer converter, grouped the
+    same way ``transformers.integrations.gguf.get_gguf_tokenizer`` groups it."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    reader = open_gguf(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if "tokens" not in tokenizer:
+        raise CheckpointError(f"GGUF file {path} has no tokenizer (tokenizer.ggml.tokens is missing)")
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from .convert import convert as conv
 from .convert.default_model import DEFAULT_MODEL, default_gguf_path
-from .convert.readers import CheckpointError, hf_shard_files
+from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
 from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
@@ -73,14 +73,14 @@ def _tokenizer_saver(kind: str, path: Path):
     def save(target: Path) -> bool:
         from transformers import AutoTokenizer
 
-        try:
-            if kind == "gguf":
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            else:
+        if kind == "gguf":  # a GGUF file always carries its tokenizer: failing to build it is an error
+            tok = gguf_tokenizer(path)
+        else:
+            try:
                 tok = AutoTokenizer.from_pretrained(str(path))
-        except Exception as err:  # a checkpoint without tokenizer files is still usable by ids
-            log.warning("no tokenizer for %s (%s); generate() will need token ids", path, err)
-            return False
+            except Exception as err:  # a checkpoint without tokenizer files is still usable by ids
+                log.warning("no tokenizer for %s (%s); generate() will need token ids", path, err)
+                return False
         tok.save_pretrained(str(target))
         return True
 

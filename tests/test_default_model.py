@@ -55,3 +55,22 @@ def test_sampling_is_reproducible_with_a_seed(default_model):
     c = popjax.generate(default_model, PROMPTS[2], max_new_tokens=16, temperature=0.8, top_p=0.9, seed=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+def test_torch_free_gguf_tokenizer_matches_transformers():
+    """popjax builds the GGUF tokenizer without torch; it must equal transformers' (which needs torch)."""
+    from transformers import AutoTokenizer
+
+    from popjax.convert.readers import gguf_tokenizer
+
+    path = default_gguf_path()
+    ours = gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello, world!", "  def f(x):\n\treturn x ** 2  # 12345", "Ünïcödé — 東京 🙂", PROMPTS[1]]
+    for text in texts:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == theirs.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
