@@ -6,8 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
@@ -151,6 +149,3 @@ def convert_gguf(path: Path, dtype: str = "float32") -> ConvertedCheckpoint:
     )
     return ConvertedCheckpoint(cfg, params, "gguf")
 
-
-def to_jax(params: dict[str, Any]) -> dict[str, Any]:
-    return jax.tree_util.tree_map(jnp.asarray, params)
