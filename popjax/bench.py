@@ -25,7 +25,7 @@ import numpy as np
 
 from . import engine
 from .flops import flops_report
-from .generation import generate_ids
+from .generation import _left_pad, generate_ids
 from .loading import LoadedModel, load
 from .methods import Method, make_method
 from .methods.base import Plan
@@ -61,21 +61,11 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
 
 
 def ffn_bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, itemsize: int) -> int:
-    """Bytes of FFN weights one decode step reads (all layers)."""
-    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    name, n_keep = plan.name, plan.n_keep
-    if name == "dense":
-        per_layer = 3 * d * f
-    elif name == "static":
-        per_layer = 3 * d * n_keep
-    elif name == "pop":
-        per_layer = 2 * d * (n_keep + plan.m) + d * n_keep
-    elif name == "dynamic":
-        per_layer = 2 * d * f + d * n_keep
-    else:
-        raise ValueError(f"no byte model for method {name!r}")
-    copies = batch if getattr(plan, "aggregate", "shared") == "per_sequence" and name != "dynamic" else 1
-    return L * per_layer * itemsize * copies
+    """Bytes of FFN weights one decode step reads (all layers); per-sequence partitions hold one
+    compact copy per sequence (dynamic reads the shared model weights)."""
+    per_sequence = getattr(plan, "aggregate", "shared") == "per_sequence" and plan.name != "dynamic"
+    copies = batch if per_sequence else 1
+    return cfg.num_hidden_layers * plan.ffn_weights_read(cfg.hidden_size) * itemsize * copies
 
 
 def bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, cache_slots: int, itemsize: int) -> int:
@@ -105,7 +95,7 @@ class MethodRun:
         self.method, self.batch, self.max_new_tokens = method, len(prompts), max_new_tokens
         plan = method.bind(model.config)
         length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-        tokens, mask = (jnp.asarray(a) for a in _pad(prompts, length))
+        tokens, mask = (jnp.asarray(a) for a in _left_pad(prompts, length, 0))
         self._run = lambda: generate_ids(model, prompts, max_new_tokens, method=method, ignore_eos=True)[0]
         self._prefill = lambda: engine.prefill(model.graphdef, model.params, tokens, mask, plan)[0]
         before = sum(engine.compile_counts().values())
@@ -126,12 +116,6 @@ class MethodRun:
             "compile_s": max(self.first_s - total, 0.0),
             "compiles": self.compiles,
         }
-
-
-def _pad(prompts: list[list[int]], length: int):
-    from .generation import _left_pad
-
-    return _left_pad(prompts, length, 0)
 
 
 def recompiles_across_prompts(model: LoadedModel, method: Method, vocab_ids: list[int], n: int = 20) -> int:

@@ -175,6 +175,10 @@ class Plan:
         """Analytic FFN FLOPs per decode token per layer (2 per multiply-add), SPEC §2."""
         raise NotImplementedError  # pragma: no cover - interface
 
+    def ffn_weights_read(self, d: int) -> int:
+        """FFN weight elements one decode step reads per layer (for the memory roofline)."""
+        raise NotImplementedError  # pragma: no cover - interface
+
 
 @dataclasses.dataclass(frozen=True)
 class AggregatedPlan(Plan):

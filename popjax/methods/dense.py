@@ -23,6 +23,9 @@ class DensePlan(Plan):
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.f
 
+    def ffn_weights_read(self, d: int) -> int:
+        return 3 * d * self.f
+
 
 @dataclasses.dataclass(frozen=True)
 class Dense(Method):

@@ -35,6 +35,9 @@ class DynamicPlan(AggregatedPlan):
     def ffn_flops_per_token(self, d: int) -> int:
         return 4 * d * self.f + 2 * d * self.n_keep
 
+    def ffn_weights_read(self, d: int) -> int:
+        return 2 * d * self.f + d * self.n_keep
+
 
 @dataclasses.dataclass(frozen=True)
 class Dynamic(RatioMethod):

@@ -86,6 +86,9 @@ class POPPlan(AggregatedPlan):
     def ffn_flops_per_token(self, d: int) -> int:
         return 4 * d * (self.n_retained + self.n_candidates) + 2 * d * self.n_keep
 
+    def ffn_weights_read(self, d: int) -> int:
+        return 2 * d * (self.n_retained + self.n_candidates) + d * self.n_keep
+
 
 @dataclasses.dataclass(frozen=True)
 class POP(RatioMethod):

@@ -32,6 +32,9 @@ class StaticPlan(AggregatedPlan):
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.n_keep
 
+    def ffn_weights_read(self, d: int) -> int:
+        return 3 * d * self.n_keep
+
 
 @dataclasses.dataclass(frozen=True)
 class Static(RatioMethod):
