@@ -23,7 +23,6 @@ class ConvertedCheckpoint:
 
     config: ModelConfig
     params: dict[str, Any]
-    source_kind: str  # "hf" or "gguf"
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -130,7 +129,7 @@ def convert_hf(directory: Path, dtype: str = "float32") -> ConvertedCheckpoint:
         str(directory),
         dtype,
     )
-    return ConvertedCheckpoint(cfg, params, "hf")
+    return ConvertedCheckpoint(cfg, params)
 
 
 def convert_gguf(path: Path, dtype: str = "float32") -> ConvertedCheckpoint:
@@ -147,5 +146,5 @@ def convert_gguf(path: Path, dtype: str = "float32") -> ConvertedCheckpoint:
         dtype,
         unpermute=cfg.model_type == "llama",
     )
-    return ConvertedCheckpoint(cfg, params, "gguf")
+    return ConvertedCheckpoint(cfg, params)
 

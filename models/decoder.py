@@ -27,12 +27,20 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLPWeights(cfg, dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state):
-        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux)."""
+    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None):
+        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux).
+
+        ``gate`` [B, T] (optional) is Prefill-Only Pruning's virtual gate (SPEC §4): it scales
+        both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``."""
         attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index)
+        if gate is not None:
+            attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
         y, mlp_state, aux = mlp_fn(self.mlp.as_dict(), mlp_state, self.mlp_norm(x))
-        return x + y.astype(x.dtype), cache, mlp_state, aux
+        y = y.astype(x.dtype)
+        if gate is not None:
+            y = y * gate[..., None].astype(y.dtype)
+        return x + y, cache, mlp_state, aux
 
 
 class Transformer(nnx.Module):
@@ -68,11 +76,13 @@ class Transformer(nnx.Module):
         caches: Sequence[KVCache] | None = None,
         write_index: jax.Array | int = 0,
         last_only: bool = False,
+        gates: jax.Array | None = None,
     ) -> tuple[jax.Array, list[KVCache], list[Any], list[Any]]:
         """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states, aux.
 
         With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
         their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
+        ``gates`` [L, B, T] (optional) are the virtual layer gates of SPEC §4 (see DecoderLayer).
         """
         x = self.embed[...][tokens]
         cos, sin = rope_cos_sin(self.cfg, positions)
@@ -80,7 +90,8 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             x, cache, state, aux = layer(
-                x, cos, sin, key_valid, cache, write_index, mlp_fn, mlp_states[i]
+                x, cos, sin, key_valid, cache, write_index, mlp_fn, mlp_states[i],
+                None if gates is None else gates[i],
             )
             new_caches.append(cache)
             new_states.append(state)

@@ -46,9 +46,10 @@ def stack_layers(per_layer: list[Any]) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
-def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False):
+def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None):
     """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
-    fresh caches (L × KVCache [B, T, n_kv, h]); method states (L); aux stacked over layers)."""
+    fresh caches (L × KVCache [B, T, n_kv, h]); method states (L); aux stacked over layers).
+    ``gates`` [L, B, T] are optional virtual layer gates (SPEC §4; differentiable)."""
     model = nnx.merge(graphdef, params)
     valid = mask.astype(bool)
     states = [None] * len(model.layers)
@@ -59,6 +60,7 @@ def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_a
         lambda w, _state, x: plan.prefill(w, x, valid),
         states,
         last_only=not all_logits,
+        gates=gates,
     )
     logits = logits if all_logits else logits[:, -1]
     return logits, caches, states, stack_layers(aux) if with_aux else {}
@@ -70,7 +72,7 @@ def _step(model, plan: Plan, token, position, write_index, key_valid, caches, st
         token[:, None],
         position[:, None],
         key_valid,
-        lambda w, state, x: plan.decode(w, state, x, step),
+        lambda w, state, x: plan.decode(w, state, x, step, jnp.ones((x.shape[0], 1), bool)),
         states,
         caches=caches,
         write_index=write_index,

@@ -17,7 +17,7 @@ from .convert.default_model import DEFAULT_MODEL, default_gguf_path
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
 from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
 from .models.config import ModelConfig
-from .models.decoder import Transformer, abstract_model
+from .models.decoder import abstract_model
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,6 @@ class LoadedModel:
     tokenizer: Any
     source: str
     dtype: str
-
-    def module(self) -> Transformer:
-        """The Flax NNX module with these weights (for inspection)."""
-        return nnx.merge(self.graphdef, self.params)
 
 
 def _resolve_source(source: str | Path) -> tuple[str, Path]:

@@ -150,7 +150,7 @@ def test_pop_shared_matches_reference(f, n_keep, gamma):
 
     for step in range(steps):
         x_t = rng.normal(0, 1.0, (3, 1, d))
-        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step)
+        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step, jnp.ones((x_t.shape[0], 1), bool))
         y_ref, selected = ref_pop_decode(W, R, C, x_t, m)
         np.testing.assert_allclose(np.asarray(y_t), y_ref, atol=ATOL)
         if m:
@@ -173,7 +173,7 @@ def test_pop_per_sequence_matches_reference(f, n_keep, gamma):
         np.testing.assert_allclose(np.asarray(y[b])[valid[b]], Y_ref[0][valid[b]], atol=ATOL)
     for step in range(3):
         x_t = rng.normal(0, 1.0, (2, 1, d))
-        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step)
+        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step, jnp.ones((x_t.shape[0], 1), bool))
         for b, (_, R, C, _) in enumerate(refs):
             y_ref, selected = ref_pop_decode(W, R, C, x_t[b : b + 1], m)
             np.testing.assert_allclose(np.asarray(y_t[b]), y_ref[0], atol=ATOL)
@@ -193,7 +193,7 @@ def test_static_and_dynamic_match_reference(f, n_keep, aggregate):
     for plan_cls in (StaticPlan, DynamicPlan):
         plan = plan_cls(f=f, n_keep=n_keep, aggregate=aggregate)
         y, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
-        y_t, _, _ = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), 0)
+        y_t, _, _ = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((x_t.shape[0], 1), bool))
         for g in groups:
             Y_ref, R, C, _ = ref_prefill(W, X[g], valid[g], n_keep, 0)  # m=0: R = top n_keep
             np.testing.assert_allclose(np.asarray(y[g])[valid[g]], Y_ref[valid[g]], atol=ATOL)

@@ -5,7 +5,11 @@ A method is a frozen dataclass of hyper-parameters. ``method.bind(config)`` reso
 functions called at every layer's MLP:
 
     plan.prefill(w, x [B, T, d], valid [B, T]) -> (y [B, T, d], state, aux)
-    plan.decode(w, state, x_t [B, 1, d], step)  -> (y_t [B, 1, d], state, aux)
+    plan.decode(w, state, x_t [B, 1, d], step, valid [B, 1]) -> (y_t [B, 1, d], state, aux)
+
+``valid`` marks real tokens: padding in prefill, and in decode the rows of a padded batch
+bucket or of sequences that have already stopped; no statistic may include an invalid entry.
+``step`` is the int32 index of the decode-path call (0 for the first token fed after prefill).
 
 ``w`` holds ``gate_up [2f, d]`` (gate rows, then up rows), ``down [d, f]`` (HF layout) and
 ``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
@@ -96,10 +100,10 @@ def prefill_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> 
     return jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * down_norm
 
 
-def step_importance(h: jax.Array, down_norm: jax.Array) -> jax.Array:
-    """Decode-step scores ‖H_t[:, j]‖₂ · ‖W_d[:, j]‖₂ over the batch: h [B, 1, n] -> [n] fp32."""
-    hf = h.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * down_norm
+def step_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
+    """Decode-step scores ‖H_t[valid, j]‖₂ · ‖W_d[:, j]‖₂ over the batch's valid rows:
+    h [B, 1, n], valid [B, 1] -> [n] fp32."""
+    return prefill_importance(h, valid, down_norm)
 
 
 def rank_channels(importance: jax.Array) -> jax.Array:
@@ -147,14 +151,14 @@ def prefill_per_sequence(prefill_shared, w, x, valid):
     return jax.vmap(one)(x, valid)
 
 
-def decode_per_sequence(decode_shared, w, state, x, step):
+def decode_per_sequence(decode_shared, w, state, x, step, valid):
     """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis."""
 
-    def one(sb, xb):
-        y, new_state, aux = decode_shared(w, sb, xb[None], step)
+    def one(sb, xb, vb):
+        y, new_state, aux = decode_shared(w, sb, xb[None], step, vb[None])
         return y[0], new_state, aux
 
-    return jax.vmap(one)(state, x)
+    return jax.vmap(one)(state, x, valid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +172,7 @@ class Plan:
     def prefill(self, w, x, valid):  # pragma: no cover - interface
         raise NotImplementedError
 
-    def decode(self, w, state, x, step):  # pragma: no cover - interface
+    def decode(self, w, state, x, step, valid):  # pragma: no cover - interface
         raise NotImplementedError
 
     def ffn_flops_per_token(self, d: int) -> int:
@@ -192,15 +196,15 @@ class AggregatedPlan(Plan):
             return prefill_per_sequence(self._prefill, w, x, valid)
         return self._prefill(w, x, valid)
 
-    def decode(self, w, state, x, step):
+    def decode(self, w, state, x, step, valid):
         if self.aggregate == "per_sequence":
-            return decode_per_sequence(self._decode, w, state, x, step)
-        return self._decode(w, state, x, step)
+            return decode_per_sequence(self._decode, w, state, x, step, valid)
+        return self._decode(w, state, x, step, valid)
 
     def _prefill(self, w, x, valid):  # pragma: no cover - interface
         raise NotImplementedError
 
-    def _decode(self, w, state, x, step):  # pragma: no cover - interface
+    def _decode(self, w, state, x, step, valid):  # pragma: no cover - interface
         raise NotImplementedError
 
 
@@ -212,9 +216,6 @@ class Method:
 
     def bind(self, cfg: ModelConfig) -> Plan:  # pragma: no cover - interface
         raise NotImplementedError
-
-    def describe(self) -> dict[str, Any]:
-        return {"method": self.name, **dataclasses.asdict(self)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ class DensePlan(Plan):
         """x [B, T, d] -> (y [B, T, d], no state, no aux)."""
         return down_proj(activations(w["gate_up"], x), w["down"]), None, {}
 
-    def decode(self, w, state, x, step):
+    def decode(self, w, state, x, step, valid):
         return down_proj(activations(w["gate_up"], x), w["down"]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:

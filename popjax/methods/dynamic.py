@@ -25,9 +25,9 @@ class DynamicPlan(AggregatedPlan):
         # A zero-size placeholder keeps the state a (vmappable) array pytree.
         return y, jnp.zeros((0,), jnp.int32), {"importance": importance}
 
-    def _decode(self, w, state, x, step):
+    def _decode(self, w, state, x, step, valid):
         h = activations(w["gate_up"], x)  # [B, 1, f]
-        scores = step_importance(h, w["down_norm"])  # [f]
+        scores = step_importance(h, valid, w["down_norm"])  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
         y = down_proj(take_channels(h, selected, axis=-1), take_channels(w["down"], selected, axis=1))
         return y, state, {"scores": scores}

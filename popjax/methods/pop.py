@@ -68,14 +68,14 @@ class POPPlan(AggregatedPlan):
         }
         return y, state, {"importance": importance}
 
-    def _decode(self, w, state, x, step):
+    def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
         h = activations(state["gate_up"], x)  # [B, 1, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
         y = down_proj(h_retained, state["down_retained"])
         if self.m == 0:
             return y, state, {}
-        scores = step_importance(h_candidates, state["down_norm_candidates"])  # [n_C]
+        scores = step_importance(h_candidates, valid, state["down_norm_candidates"])  # [n_C]
         top_scores, selected = jax.lax.top_k(scores, self.m)  # S_t, positions within C
         y = y + take_channels(h_candidates, selected, axis=-1) @ take_channels(
             state["down_candidates"], selected, axis=0

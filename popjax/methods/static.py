@@ -26,7 +26,7 @@ class StaticPlan(AggregatedPlan):
         }
         return y, state, {"importance": importance}
 
-    def _decode(self, w, state, x, step):
+    def _decode(self, w, state, x, step, valid):
         return down_proj(activations(state["gate_up"], x), state["down"]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
