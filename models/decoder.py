@@ -27,16 +27,19 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLPWeights(cfg, dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None):
+    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0):
         """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux).
 
         ``gate`` [B, T] (optional) is Prefill-Only Pruning's virtual gate (SPEC §4): it scales
-        both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``."""
+        both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``. ``index`` (the layer's
+        position) reaches the MLP function as ``weights["layer"]``, so methods with per-layer
+        calibrated constants can index them."""
         attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index)
         if gate is not None:
             attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
-        y, mlp_state, aux = mlp_fn(self.mlp.as_dict(), mlp_state, self.mlp_norm(x))
+        weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
+        y, mlp_state, aux = mlp_fn(weights, mlp_state, self.mlp_norm(x))
         y = y.astype(x.dtype)
         if gate is not None:
             y = y * gate[..., None].astype(y.dtype)
@@ -91,7 +94,7 @@ class Transformer(nnx.Module):
             cache = None if caches is None else caches[i]
             x, cache, state, aux = layer(
                 x, cos, sin, key_valid, cache, write_index, mlp_fn, mlp_states[i],
-                None if gates is None else gates[i],
+                None if gates is None else gates[i], i,
             )
             new_caches.append(cache)
             new_states.append(state)

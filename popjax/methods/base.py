@@ -11,8 +11,9 @@ functions called at every layer's MLP:
 bucket or of sequences that have already stopped; no statistic may include an invalid entry.
 ``step`` is the int32 index of the decode-path call (0 for the first token fed after prefill).
 
-``w`` holds ``gate_up [2f, d]`` (gate rows, then up rows), ``down [d, f]`` (HF layout) and
-``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
+``w`` holds ``gate_up [2f, d]`` (gate rows, then up rows), ``down [d, f]`` (HF layout),
+``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model) and ``layer`` (the layer index, an
+int32 scalar, for per-layer calibrated constants). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
 removes its computation.
 """
 
