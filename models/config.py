@@ -55,6 +55,11 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # A structurally pruned checkpoint (popjax.pruned): per-layer FFN widths (FLAP's adaptive
+    # ratios; then intermediate_size is their mean) and a bias on the down projection (FLAP's
+    # bias compensation). Not HF fields: they live in popjax's own config.json.
+    intermediate_sizes: tuple[int, ...] | None = None
+    down_proj_bias: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -75,11 +80,24 @@ class ModelConfig:
     def mlp_params_per_layer(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size
 
+    def ffn_width(self, layer: int | None = None) -> int:
+        """FFN width f of layer ``layer`` (the uniform width when None or without per-layer widths)."""
+        if self.intermediate_sizes is None or layer is None:
+            return self.intermediate_size
+        return self.intermediate_sizes[layer]
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The allow-listed fields as a HF-style dict (round-trips through `from_hf_dict`)."""
         out = dataclasses.asdict(self)
         out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         out["eos_token_id"] = list(out.pop("eos_token_ids"))
+        # pruning fields are omitted when unset: unpruned configs (and keys hashed from them) stay as they were
+        if self.intermediate_sizes is None:
+            del out["intermediate_sizes"]
+        else:
+            out["intermediate_sizes"] = list(self.intermediate_sizes)
+        if not self.down_proj_bias:
+            del out["down_proj_bias"]
         return out
 
     @classmethod
@@ -114,6 +132,8 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+                intermediate_sizes=_layer_widths(raw.get("intermediate_sizes"), int(raw["num_hidden_layers"])),
+                down_proj_bias=bool(raw.get("down_proj_bias", False)),
                 **flags,
             )
         except KeyError as err:
@@ -143,6 +163,18 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def _layer_widths(value: Any, n_layers: int) -> tuple[int, ...] | None:
+    """``intermediate_sizes``: None, or one positive int per layer."""
+    if value is None:
+        return None
+    widths = tuple(value) if isinstance(value, (list, tuple)) else ()
+    if len(widths) != n_layers or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
+        raise ConfigError(
+            f"intermediate_sizes={value!r} is invalid: give one integer ≥ 1 per layer ({n_layers} layers)"
+        )
+    return widths
 
 
 def _rope_theta(raw: Mapping[str, Any]) -> float:

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .attention import cached_attention, causal_attention
 from .rope import apply_rope
-
-_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform row, not NaN
 
 
 class Derived(nnx.Variable):
@@ -79,6 +78,21 @@ class Attention(nnx.Module):
         shape = (*x.shape[:2], -1, cfg.head_dim)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
+    def project_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> KVCache:
+        """Keys and values alone (RoPE'd keys), x [B, T, d] -> KVCache [B, T, n_kv, h]: what a
+        layer skipped in prefill still writes (Prefill-Only Pruning's independent KV projection)."""
+        cfg = self.cfg
+        w = self.qkv[...][cfg.q_dim :]
+        kv = linear(x, w)
+        if cfg.qkv_bias:
+            kv = kv + self.qkv_bias[...][cfg.q_dim :]
+        k, v = jnp.split(kv, 2, axis=-1)
+        shape = (*x.shape[:2], -1, cfg.head_dim)
+        k, v = k.reshape(shape), v.reshape(shape)
+        if cfg.qk_norm:
+            k = self.k_norm(k)
+        return KVCache(apply_rope(k, cos, sin), v)
+
     def __call__(
         self,
         x: jax.Array,
@@ -92,50 +106,34 @@ class Attention(nnx.Module):
 
         Without a cache (prefill/forward) the T fresh keys are attended causally and returned as
         the new cache entries. With a cache, the fresh keys are written at ``write_index`` and the
-        queries attend to every valid slot up to their own.
+        queries attend to every valid slot up to their own, reading only written blocks.
         """
         cfg = self.cfg
         q, k, v = self._project(x)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        T = x.shape[1]
         if cache is None:
-            keys, values, new_cache = k, v, KVCache(k, v)
-            query_slot = jnp.arange(T)
+            out, new_cache = causal_attention(q, k, v, key_valid), KVCache(k, v)
         else:
             keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k, write_index, axis=1)
             values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, write_index, axis=1)
             new_cache = KVCache(keys, values)
-            query_slot = write_index + jnp.arange(T)
-        key_slot = jnp.arange(keys.shape[1])
-        mask = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[None, :, None])
-        out = _grouped_attention(q, keys, values, mask, cfg.num_key_value_heads)
+            out = cached_attention(q, keys, values, key_valid, write_index)
         return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.o[...]), new_cache
-
-
-def _grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, n_kv: int
-) -> jax.Array:
-    """q [B, T, n_q, h]; k, v [B, S, n_kv, h]; mask [B, T, S] -> [B, T, n_q, h]."""
-    B, T, n_q, h = q.shape
-    qg = q.reshape(B, T, n_kv, n_q // n_kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(B, T, n_q, h)
 
 
 class MLPWeights(nnx.Module):
     """Weights of the gated MLP. The computation lives in the pruning method, a pure function
     of ``(weights, partition_state, x)``; see ``popjax.methods``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
+        """``layer`` picks this layer's width in a pruned model with per-layer widths."""
+        d, f = cfg.hidden_size, cfg.ffn_width(layer)
         self.gate_up = _param((2 * f, d), dtype)  # gate rows, then up rows
         self.down = _param((d, f), dtype)
+        if cfg.down_proj_bias:  # FLAP's bias compensation (popjax.pruned)
+            self.down_bias = _param((d,), dtype)
         # ‖W_d[:, j]‖₂ per channel (SPEC §2): a per-model constant, filled in by `finalize`.
         self.down_norm = Derived(jnp.zeros((f,), jnp.float32))
 
@@ -144,5 +142,8 @@ class MLPWeights(nnx.Module):
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=0))
 
     def as_dict(self) -> dict[str, jax.Array]:
-        """gate_up [2f, d]; down [d, f]; down_norm [f] fp32."""
-        return {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
+        """gate_up [2f, d]; down [d, f]; down_norm [f] fp32; down_bias [d] when the model has one."""
+        out = {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
+        if hasattr(self, "down_bias"):
+            out["down_bias"] = self.down_bias[...]
+        return out

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import engine
 from .flops import flops_report
-from .generation import _left_pad, generate_ids
+from .generation import generate_ids, pad_batch, pad_token_id
 from .loading import LoadedModel, load
 from .methods import Method, make_method
 from .methods.base import Plan
@@ -61,11 +61,8 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
 
 
 def ffn_bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, itemsize: int) -> int:
-    """Bytes of FFN weights one decode step reads (all layers); per-sequence partitions hold one
-    compact copy per sequence (dynamic reads the shared model weights)."""
-    per_sequence = getattr(plan, "aggregate", "shared") == "per_sequence" and plan.name != "dynamic"
-    copies = batch if per_sequence else 1
-    return cfg.num_hidden_layers * plan.ffn_weights_read(cfg.hidden_size) * itemsize * copies
+    """Bytes of FFN weights one decode step reads (all layers), as the plan counts them."""
+    return cfg.num_hidden_layers * plan.ffn_weights_read_per_step(cfg.hidden_size, batch) * itemsize
 
 
 def bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, cache_slots: int, itemsize: int) -> int:
@@ -94,8 +91,7 @@ class MethodRun:
     def __init__(self, model: LoadedModel, method: Method, prompts: list[list[int]], max_new_tokens: int):
         self.method, self.batch, self.max_new_tokens = method, len(prompts), max_new_tokens
         plan = method.bind(model.config)
-        length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-        tokens, mask = (jnp.asarray(a) for a in _left_pad(prompts, length, 0))
+        tokens, mask = (jnp.asarray(a) for a in pad_batch(prompts, pad_token_id(model)))
         self._run = lambda: generate_ids(model, prompts, max_new_tokens, method=method, ignore_eos=True)[0]
         self._prefill = lambda: engine.prefill(model.graphdef, model.params, tokens, mask, plan)[0]
         before = sum(engine.compile_counts().values())

@@ -1,29 +1,37 @@
-"""The compiled generation engine: bucketed prefill, static-shaped KV cache, one decode loop.
+"""The compiled generation engine: one decode state, one step, bucketed shapes.
 
-* ``prefill`` is jitted per (prompt-length bucket, method plan); prompts are left-padded and
-  positions are ``cumsum(mask) − 1``.
-* ``decode_loop`` is one ``lax.while_loop`` that samples, runs a decode step through the KV cache
-  and stops when ``max_new_tokens`` is reached or every sequence has emitted a stop id.
-  ``max_new_tokens`` and the sampling parameters are traced, so they never recompile; the cache
-  holds ``T_bucket + capacity`` slots with ``capacity`` from ``CAPACITY_BUCKETS``.
-* ``decode_step`` is the same step jitted alone (streaming, teacher forcing), cache donated.
+* ``DecodeState`` holds everything a decode step needs (positions, the shared cache write index,
+  the step count, key validity, which rows are live, the KV caches and the method states). It is
+  built by ``_prefill`` and advanced by ``_advance``; the decode loop, streaming and
+  teacher-forced evaluation all run that same step.
+* Shapes are bucketed so compiles are few: batch (``BATCH_BUCKETS``, padded with dead rows),
+  prompt length (``PROMPT_BUCKETS``, left padding, positions ``cumsum(mask) − 1``) and capacity
+  (``CAPACITY_BUCKETS``). Compiled programs exist per (batch, prompt, capacity bucket, plan).
+* Prefill allocates the cache at its full size (prompt bucket + capacity) inside the same
+  program and writes the prompt's keys/values into it: no copy after prefill. The decode loop
+  and the streaming step donate the state they consume.
+* Decode attention reads the cache only up to the last written slot (``models.attention``), so
+  capacity costs memory, not time.
+* ``max_new_tokens`` and the sampling parameters are traced values: no recompiles.
 
-Shapes: B batch, T prompt bucket, S = T + capacity cache slots, V vocabulary, L layers.
+Shapes: B batch bucket, T prompt bucket, S cache slots, V vocabulary, L layers.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .models.layers import KVCache
 from .methods.base import Plan
+from .models.attention import cache_slots
+from .models.layers import KVCache
 from .sampling import SamplingParams, sample
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CAPACITY_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -45,136 +53,173 @@ def stack_layers(per_layer: list[Any]) -> Any:
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
-def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None):
-    """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
-    fresh caches (L × KVCache [B, T, n_kv, h]); method states (L); aux stacked over layers).
-    ``gates`` [L, B, T] are optional virtual layer gates (SPEC §4; differentiable)."""
-    model = nnx.merge(graphdef, params)
+class DecodeState(NamedTuple):
+    """The state one decode step advances (a pytree; B batch bucket, S cache slots)."""
+
+    position: jax.Array  # [B] int32: RoPE position of the next token fed
+    index: jax.Array  # [] int32: cache slot that token is written to (shared: left padding)
+    step: jax.Array  # [] int32: decode-path calls so far (the methods' ``step``)
+    key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
+    live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
+    caches: tuple[KVCache, ...]  # L × k, v [B, S, n_kv, h]
+    method_states: tuple[Any, ...]  # L × the plan's state
+
+
+class Sampler(NamedTuple):
+    """The generation carry: the decode state, the last sampled token (fed next) and the key."""
+
+    state: DecodeState
+    token: jax.Array  # [B] int32
+    key: jax.Array
+
+
+def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None):
+    """tokens, mask [B, T] -> (logits [B, V] at the last slot or [B, T, V], DecodeState with
+    S = cache_slots(T, capacity), per-layer aux)."""
+    B, T = tokens.shape
     valid = mask.astype(bool)
-    states = [None] * len(model.layers)
     logits, caches, states, aux = model(
         tokens,
         positions_from_mask(mask),
         valid,
         lambda w, _state, x: plan.prefill(w, x, valid),
-        states,
+        [None] * len(model.layers),
         last_only=not all_logits,
         gates=gates,
     )
-    logits = logits if all_logits else logits[:, -1]
-    return logits, caches, states, stack_layers(aux) if with_aux else {}
+    S = cache_slots(T, capacity)
+    grow = lambda a: jnp.zeros((B, S, *a.shape[2:]), a.dtype).at[:, :T].set(a)
+    state = DecodeState(
+        position=jnp.sum(mask, axis=1).astype(jnp.int32),
+        index=jnp.int32(T),
+        step=jnp.int32(0),
+        key_valid=jnp.concatenate([valid, jnp.ones((B, S - T), bool)], axis=1),
+        live=jnp.any(valid, axis=1),
+        caches=tuple(KVCache(grow(c.k), grow(c.v)) for c in caches),
+        method_states=tuple(states),
+    )
+    return (logits if all_logits else logits[:, -1]), state, aux
 
 
-def _step(model, plan: Plan, token, position, write_index, key_valid, caches, states, step):
-    """One decode step: token, position [B] -> logits [B, V], caches, states, aux (per layer)."""
+def _advance(model, plan: Plan, state: DecodeState, token):
+    """Feeds token [B] through the decode path -> (logits [B, V], next state, per-layer aux)."""
+    valid = state.live[:, None]
     logits, caches, states, aux = model(
         token[:, None],
-        position[:, None],
-        key_valid,
-        lambda w, state, x: plan.decode(w, state, x, step, jnp.ones((x.shape[0], 1), bool)),
-        states,
-        caches=caches,
-        write_index=write_index,
+        state.position[:, None],
+        state.key_valid,
+        lambda w, s, x: plan.decode(w, s, x, state.step, valid),
+        state.method_states,
+        caches=state.caches,
+        write_index=state.index,
     )
-    return logits[:, 0], caches, states, aux
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "plan", "with_aux"), donate_argnames=("caches",)
-)
-def decode_step(graphdef, params, plan, token, position, write_index, key_valid, caches, states, step, with_aux=False):
-    """The jitted single step (streaming, teacher-forced evaluation); ``caches`` is donated."""
-    model = nnx.merge(graphdef, params)
-    logits, caches, states, aux = _step(
-        model, plan, token, position, write_index, key_valid, caches, states, step
+    state = state._replace(
+        position=state.position + 1,
+        index=state.index + 1,
+        step=state.step + 1,
+        caches=tuple(caches),
+        method_states=tuple(states),
     )
-    return logits, caches, states, stack_layers(aux) if with_aux else {}
+    return logits[:, 0], state, aux
 
 
-def grow_caches(prompt_caches: list[KVCache], capacity: int) -> list[KVCache]:
-    """Prompt caches [B, T, ...] -> decode caches [B, T + capacity, ...] (zeros after T)."""
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, capacity), (0, 0), (0, 0)))
-    return [KVCache(pad(c.k), pad(c.v)) for c in prompt_caches]
+def _choose(state: DecodeState, logits, key, sampling, stop_ids, pad_id):
+    """Samples the next token of every live row (dead rows get ``pad_id``) and retires rows
+    that produced a stop id -> (token [B], state)."""
+    token = jnp.where(state.live, sample(logits, key, sampling), pad_id)
+    return token, state._replace(live=state.live & ~jnp.isin(token, stop_ids))
 
 
-def decode_key_valid(mask: jax.Array, capacity: int) -> jax.Array:
-    """Prompt mask [B, T] -> slot validity [B, T + capacity]; decode slots are valid once written
-    (the causal slot test in attention excludes the future ones)."""
-    return jnp.concatenate([mask.astype(bool), jnp.ones((mask.shape[0], capacity), bool)], axis=1)
+def _generation_step(model, plan, carry: Sampler, sampling, stop_ids, pad_id):
+    """The one step shared by the decode loop and streaming -> (carry, per-layer aux)."""
+    logits, state, aux = _advance(model, plan, carry.state, carry.token)
+    key, sub = jax.random.split(carry.key)
+    token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
+    return Sampler(state, token, key), aux
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "trace"))
-def decode_loop(
-    graphdef,
-    params,
-    plan: Plan,
-    first_logits,
-    prompt_caches,
-    states,
-    mask,
-    max_new_tokens,
-    sampling: SamplingParams,
-    stop_ids,
-    pad_id,
-    key,
-    capacity: int,
-    trace: bool = False,
-):
-    """Generates up to ``max_new_tokens`` (≤ capacity) tokens after a prefill.
-
-    first_logits [B, V]; mask [B, T]; stop_ids [n_stop] (-1 = unused slot) ->
-    (tokens [B, capacity] (pad_id after a sequence stops), number of steps run, trace) where
-    ``trace`` maps each aux name to [capacity − 1, L, ...] when requested.
-    """
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
+def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None):
+    """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
+    the prompt caches (L × KVCache [B, S ≥ T, n_kv, h]); method states (L); aux stacked over
+    layers). ``gates`` [L, B, T] are optional virtual layer gates (SPEC §4; differentiable)."""
     model = nnx.merge(graphdef, params)
-    B, T = mask.shape
-    caches = grow_caches(prompt_caches, capacity)
-    key_valid = decode_key_valid(mask, capacity)
-    position = jnp.sum(mask, axis=1).astype(jnp.int32)  # the first generated token's position
+    logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates)
+    return logits, list(state.caches), list(state.method_states), stack_layers(aux) if with_aux else {}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "with_aux"))
+def start(graphdef, params, plan: Plan, tokens, mask, key, sampling: SamplingParams, stop_ids, pad_id, capacity: int, with_aux=False):
+    """Prefill + the first sampled token -> (Sampler, prefill aux stacked over layers)."""
+    model = nnx.merge(graphdef, params)
+    logits, state, aux = _prefill(model, plan, tokens, mask, capacity)
     key, sub = jax.random.split(key)
-    token = sample(first_logits, sub, sampling)
-    done = jnp.isin(token, stop_ids)
-    tokens = jnp.full((B, capacity), pad_id, jnp.int32).at[:, 0].set(token)
+    token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
+    return Sampler(state, token, key), stack_layers(aux) if with_aux else {}
 
-    def run_step(i, token, position, caches, states):
-        return _step(model, plan, token, position, T + i - 1, key_valid, caches, states, i - 1)
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "trace"), donate_argnames=("carry",))
+def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sampling: SamplingParams, stop_ids, pad_id, capacity: int, trace: bool = False):
+    """Generates until ``max_new_tokens`` (≤ capacity) tokens exist or no row is live.
+
+    -> (tokens [B, capacity] (pad_id after a row stops; the first is ``carry.token``), number of
+    tokens produced, trace, final carry) where ``trace`` maps each aux name to
+    [capacity − 1, L, ...]. Returning the carry lets XLA alias the donated state to it: the
+    loop then updates the caches in place instead of copying them in."""
+    model = nnx.merge(graphdef, params)
+    B = carry.token.shape[0]
+    tokens = jnp.full((B, capacity), pad_id, jnp.int32).at[:, 0].set(carry.token)
+    run = lambda c: _generation_step(model, plan, c, sampling, stop_ids, pad_id)
     if trace:
-        aux_shape = jax.eval_shape(run_step, 1, token, position, caches, states)[3]
-        aux_shape = jax.eval_shape(stack_layers, aux_shape)
-        records = jax.tree_util.tree_map(
-            lambda s: jnp.zeros((capacity - 1, *s.shape), s.dtype), aux_shape
-        )
+        aux_shape = jax.eval_shape(lambda c: stack_layers(run(c)[1]), carry)
+        records = jax.tree_util.tree_map(lambda s: jnp.zeros((capacity - 1, *s.shape), s.dtype), aux_shape)
     else:
         records = {}
 
-    def cond(carry):
-        i, _, _, _, _, done, _, _, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
+    def cond(loop):
+        i, carry, _, _ = loop
+        return (i < max_new_tokens) & jnp.any(carry.state.live)
 
-    def body(carry):
-        i, token, position, caches, states, done, tokens, key, records = carry
-        logits, caches, states, aux = run_step(i, token, position, caches, states)
-        key, sub = jax.random.split(key)
-        token = jnp.where(done, pad_id, sample(logits, sub, sampling))
-        tokens = tokens.at[:, i].set(token)
-        done = done | jnp.isin(token, stop_ids)
+    def body(loop):
+        i, carry, tokens, records = loop
+        carry, aux = run(carry)
+        tokens = tokens.at[:, i].set(carry.token)
         if trace:
-            records = jax.tree_util.tree_map(
-                lambda buf, a: buf.at[i - 1].set(a), records, stack_layers(aux)
-            )
-        return i + 1, token, position + 1, caches, states, done, tokens, key, records
+            records = jax.tree_util.tree_map(lambda buf, a: buf.at[i - 1].set(a), records, stack_layers(aux))
+        return i + 1, carry, tokens, records
 
-    carry = (jnp.int32(1), token, position, caches, states, done, tokens, key, records)
-    carry = jax.lax.while_loop(cond, body, carry)
-    return carry[6], carry[0], carry[8]
+    steps, carry, tokens, records = jax.lax.while_loop(cond, body, (jnp.int32(1), carry, tokens, records))
+    return tokens, steps, records, carry
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames=("carry",))
+def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: SamplingParams, stop_ids, pad_id) -> Sampler:
+    """One generation step alone (streaming): the decode loop's body, the carry donated."""
+    model = nnx.merge(graphdef, params)
+    return _generation_step(model, plan, carry, sampling, stop_ids, pad_id)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs"))
+def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False):
+    """Prefill a left-padded prompt, then feed ``targets`` [B, N] one at a time through the
+    decode path -> (nll [B, N] of each target given everything before it, log-probabilities
+    [B, N, V] if asked, else [B, N, 0])."""
+    model = nnx.merge(graphdef, params)
+    B, N = targets.shape
+    logits, state, _ = _prefill(model, plan, tokens, mask, N)
+
+    def step(carry, target):
+        logits, state = carry
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+        logits, state, _ = _advance(model, plan, state, target)
+        return (logits, state), (nll, logp if with_logprobs else jnp.zeros((B, 0)))
+
+    _, (nll, logp) = jax.lax.scan(step, (logits, state), targets.T)
+    return nll.T, jnp.swapaxes(logp, 0, 1)
 
 
 def compile_counts() -> dict[str, int]:
     """How many executables each engine function holds (one per distinct static signature)."""
-    return {
-        "prefill": prefill._cache_size(),
-        "decode_loop": decode_loop._cache_size(),
-        "decode_step": decode_step._cache_size(),
-    }
+    functions = {"prefill": prefill, "start": start, "decode_loop": decode_loop, "stream_step": stream_step, "teacher_force": teacher_force}
+    return {name: fn._cache_size() for name, fn in functions.items()}

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import engine
-from .methods import Dense, Method
+from .methods import Dense, Method, StaticPlan
 from .methods.base import Plan
 from .models.config import ModelConfig
 from .models.decoder import abstract_model
+from .sampling import SamplingParams
 
 
 def analytic_ffn_flops(cfg: ModelConfig, plan: Plan) -> int:
@@ -31,7 +32,7 @@ def flops_report(cfg: ModelConfig, method: Method) -> dict[str, Any]:
     plan = method.bind(cfg)
     dense = analytic_ffn_flops(cfg, Dense().bind(cfg))
     flops = analytic_ffn_flops(cfg, plan)
-    static = cfg.num_hidden_layers * 6 * cfg.hidden_size * plan.n_keep
+    static = analytic_ffn_flops(cfg, StaticPlan(f=plan.f, n_keep=plan.n_keep))
     return {
         "ffn_flops_per_token": flops,
         "dense_ffn_flops_per_token": dense,
@@ -46,24 +47,29 @@ def _abstract(cfg: ModelConfig, dtype: str):
     return graphdef, state
 
 
+def abstract_carry(cfg: ModelConfig, plan: Plan, batch: int, prompt_len: int, capacity: int, dtype: str = "float32"):
+    """Shape-only (graphdef, params, carry) of a generation after prefill: no weights allocated."""
+    graphdef, params = _abstract(cfg, dtype)
+    tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    sampling = jax.eval_shape(lambda: SamplingParams.create())
+    stops = jax.ShapeDtypeStruct((8,), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    carry, _ = jax.eval_shape(
+        functools.partial(engine.start, graphdef, plan=plan, capacity=capacity),
+        params, tokens=tokens, mask=tokens, key=key, sampling=sampling, stop_ids=stops, pad_id=scalar,
+    )
+    return graphdef, params, carry, sampling, stops, scalar
+
+
 def xla_decode_step_flops(
     cfg: ModelConfig, method: Method, batch: int = 1, prompt_len: int = 32, capacity: int = 64, dtype: str = "float32"
 ) -> float:
-    """FLOPs of one compiled decode step (whole model) from XLA's cost analysis."""
-    graphdef, params = _abstract(cfg, dtype)
+    """FLOPs of one compiled generation step (whole model, sampling included) from XLA's cost
+    analysis of the engine's own step."""
     plan = method.bind(cfg)
-    tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
-    _, caches, states, _ = jax.eval_shape(
-        functools.partial(engine.prefill, graphdef, plan=plan), params, tokens, tokens
-    )
-    S = prompt_len + capacity
-    caches = jax.eval_shape(lambda c: engine.grow_caches(c, capacity), caches)
-    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    key_valid = jax.ShapeDtypeStruct((batch, S), jnp.bool_)
-    lowered = engine.decode_step.lower(
-        graphdef, params, plan, vec, vec, scalar, key_valid, caches, states, scalar
-    )
+    graphdef, params, carry, sampling, stops, pad = abstract_carry(cfg, plan, batch, prompt_len, capacity, dtype)
+    lowered = engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, pad)
     cost = lowered.compile().cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +59,24 @@ def _encode(model: LoadedModel, prompts: list[Prompt], chat: bool | None) -> lis
     return out
 
 
-def _left_pad(prompts: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.full((len(prompts), length), pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), np.int32)
+def pad_token_id(model: LoadedModel) -> int:
+    """The id fed for padding: the tokenizer's pad token, else its EOS, else 0 (id-only models).
+    Padded positions are masked everywhere, so the choice never changes a result."""
+    tok = model.tokenizer
+    for candidate in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def pad_batch(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads prompts to ``length`` (default: their prompt bucket) and the batch to its bucket
+    with dead rows (all padding, mask 0) -> tokens, mask [B_bucket, T_bucket] int32."""
+    if length is None:
+        length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
+    rows = engine.bucket_for(len(prompts), engine.BATCH_BUCKETS, "a batch size")
+    tokens = np.full((rows, length), pad_id, np.int32)
+    mask = np.zeros((rows, length), np.int32)
     for row, ids in enumerate(prompts):
         tokens[row, length - len(ids) :] = ids
         mask[row, length - len(ids) :] = 1
@@ -94,6 +109,52 @@ def check_prompt_lengths(model: LoadedModel, prompts: list[list[int]], max_new_t
             raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside [0, {model.config.vocab_size})")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A validated generation request, padded to its buckets (shared by generate and stream)."""
+
+    plan: Any
+    tokens: jax.Array  # [B_bucket, T_bucket]
+    mask: jax.Array
+    batch: int  # real rows
+    capacity: int
+    sampling: SamplingParams
+    stops: np.ndarray  # [MAX_STOP_IDS], -1 = unused
+    pad_id: int
+    key: jax.Array
+
+    @classmethod
+    def create(cls, model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; use an integer ≥ 1")
+        sampling = SamplingParams.create(temperature, top_k, top_p)
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        check_prompt_lengths(model, prompts, max_new_tokens)
+        plan = resolve_method(method).bind(model.config)
+        pad_id = pad_token_id(model)
+        tokens, mask = pad_batch(prompts, pad_id)
+        capacity = engine.bucket_for(max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
+        key = jax.random.key(seed) if isinstance(seed, int) else seed
+        stops = _stop_ids(model, stop_ids, ignore_eos)
+        return cls(plan, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
+
+    def start(self, model, with_aux: bool = False):
+        return engine.start(
+            model.graphdef, model.params, self.plan, self.tokens, self.mask, self.key, self.sampling,
+            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux,
+        )
+
+    def until_stop(self, row: list[int]) -> list[int]:
+        """A row of generated ids up to (excluding) its first stop id."""
+        stop_set = {int(s) for s in self.stops if s >= 0}
+        for i, t in enumerate(row):
+            if t in stop_set:
+                return row[:i]
+        return row
+
+
 def generate_ids(
     model: LoadedModel,
     prompts: Sequence[Sequence[int]],
@@ -110,49 +171,93 @@ def generate_ids(
     """Token-id prompts -> generated ids per prompt (stop token excluded), and the trace.
 
     ``ignore_eos`` generates exactly ``max_new_tokens`` unless a ``stop_ids`` entry appears
-    (benchmarks, teacher-free evaluation)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; use an integer ≥ 1")
-    sampling = SamplingParams.create(temperature, top_k, top_p)
-    prompts = [list(p) for p in prompts]
-    if not prompts:
-        raise ValueError("no prompts given")
-    check_prompt_lengths(model, prompts, max_new_tokens)
-    plan = resolve_method(method).bind(model.config)
-    length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-    capacity = engine.bucket_for(max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
-    pad_id = 0
-    tokens, mask = _left_pad(prompts, length, pad_id)
-    stops = _stop_ids(model, stop_ids, ignore_eos)
-    key = jax.random.key(seed) if isinstance(seed, int) else seed
-    logits, caches, states, prefill_aux = engine.prefill(
-        model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), plan, with_aux=return_trace
+    (benchmarks, teacher-free evaluation). Batches pad to ``engine.BATCH_BUCKETS`` with dead
+    rows that no method statistic sees; traces keep those rows' entries (per-sequence mode)."""
+    req = _Request.create(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    carry, prefill_aux = req.start(model, with_aux=return_trace)
+    partition = None
+    if return_trace:  # read before the decode loop consumes (donates) the carry
+        states = carry.state.method_states
+        partition = jax.tree_util.tree_map(np.asarray, engine.stack_layers(list(states))) if states[0] is not None else {}
+    out, steps, records, _ = engine.decode_loop(
+        model.graphdef, model.params, req.plan, carry, jnp.int32(max_new_tokens), req.sampling,
+        jnp.asarray(req.stops), jnp.int32(req.pad_id), capacity=req.capacity, trace=return_trace,
     )
-    out, steps, records = engine.decode_loop(
-        model.graphdef, model.params, plan, logits, caches, states, jnp.asarray(mask),
-        jnp.int32(max_new_tokens), sampling, jnp.asarray(stops), jnp.int32(pad_id), key,
-        capacity=capacity, trace=return_trace,
-    )
-    out = np.asarray(out)[:, :max_new_tokens]
-    stop_set = {int(s) for s in stops if s >= 0}
-    results = []
-    for row in out:
-        ids = []
-        for t in row.tolist():
-            if t in stop_set:
-                break
-            ids.append(t)
-        results.append(ids)
+    out = np.asarray(out)[: req.batch, :max_new_tokens]
+    results = [req.until_stop(row) for row in out.tolist()]
     trace = None
     if return_trace:
         n = int(steps) - 1
         trace = {
             "prefill": jax.tree_util.tree_map(np.asarray, prefill_aux),
-            "partition": jax.tree_util.tree_map(np.asarray, engine.stack_layers(states))
-            if states[0] is not None else {},
+            "partition": partition,
             "decode": jax.tree_util.tree_map(lambda a: np.asarray(a[:n]), records),
         }
     return results, trace
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPiece:
+    """One streamed token: its id and the text it completes (empty while a multi-byte
+    character is still incomplete; the text arrives with the token that completes it)."""
+
+    token_id: int
+    text: str
+
+
+def stream_ids(
+    model: LoadedModel,
+    prompt: Sequence[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | jax.Array = 0,
+    method: Method | str | None = None,
+    stop_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+) -> Iterator[int]:
+    """Yields the generated ids of one token-id prompt as they are produced (stop id excluded):
+    the decode loop's own step jitted alone, so the tokens equal ``generate_ids``'."""
+    req = _Request.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    carry, _ = req.start(model)
+    stops, pad = jnp.asarray(req.stops), jnp.int32(req.pad_id)
+    for produced in range(max_new_tokens):
+        if produced:
+            carry = engine.stream_step(model.graphdef, model.params, req.plan, carry, req.sampling, stops, pad)
+        token = int(carry.token[0])
+        if not req.until_stop([token]):
+            return
+        yield token
+
+
+def stream(
+    model: LoadedModel,
+    prompt: Prompt,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | jax.Array = 0,
+    method: Method | str | None = None,
+    chat: bool | None = None,
+    stop_ids: Sequence[int] | None = None,
+) -> Iterator[StreamPiece]:
+    """Streams one prompt's continuation token by token (same arguments and tokens as
+    ``generate``): ``for piece in popjax.stream(model, "Hi"): print(piece.text, end="")``."""
+    if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
+        raise ValueError(f"stream() takes one prompt (a string or a chat conversation); got {type(prompt).__name__}")
+    prompt_ids = _encode(model, [prompt], chat)[0]
+    ids: list[int] = []
+    shown = ""
+    for token in stream_ids(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids):
+        ids.append(token)
+        text = model.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            yield StreamPiece(token, "")
+            continue
+        yield StreamPiece(token, text[len(shown) :])
+        shown = text
 
 
 def generate(
@@ -221,10 +326,11 @@ def forward(
         raise ValueError(f"input_ids hold values outside [0, {model.config.vocab_size})")
     length = engine.bucket_for(T, engine.PROMPT_BUCKETS, "an input length")
     pad = length - T
-    tokens = np.pad(ids, ((0, 0), (pad, 0))).astype(np.int32)
-    full_mask = np.pad(mask, ((0, 0), (pad, 0))).astype(np.int32)
+    rows = engine.bucket_for(ids.shape[0], engine.BATCH_BUCKETS, "a batch size")
+    tokens = np.pad(ids, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
+    full_mask = np.pad(mask, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     plan = resolve_method(method).bind(model.config)
     logits, _, _, _ = engine.prefill(
         model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True
     )
-    return logits[:, pad:]
+    return logits[: ids.shape[0], pad:]

@@ -10,7 +10,8 @@ import torch
 
 import popjax
 from popjax import engine
-from popjax.generation import _left_pad
+from popjax.eval.teacher import teacher_forced
+from popjax.generation import pad_batch
 from tests.conftest import TINY_CONFIGS, random_prompts
 
 ATOL = 1e-4
@@ -33,11 +34,12 @@ def test_prefill_and_decode_match_transformers(name, tiny_checkpoints):
     continuations = random_prompts(rng, [DECODE_STEPS] * len(prompts), vocab)
     expected = [hf_logits(hf_model, p + c) for p, c in zip(prompts, continuations)]
 
-    # Prefill: a left-padded batch of three prompts of different lengths.
-    T = 16
-    tokens, mask = _left_pad(prompts, T, pad_id=0)
+    # Prefill of a left-padded batch of three prompts of different lengths (all logits), then
+    # the continuation fed one token at a time through the decode path and the KV cache.
+    tokens, mask = pad_batch(prompts, pad_id=0)
+    T = tokens.shape[1]
     plan = popjax.Dense().bind(model.config)
-    logits, caches, states, _ = engine.prefill(
+    logits, _, _, _ = engine.prefill(
         model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), plan, all_logits=True
     )
     logits = np.asarray(logits)
@@ -45,21 +47,10 @@ def test_prefill_and_decode_match_transformers(name, tiny_checkpoints):
         got = logits[row, T - len(p) :]
         np.testing.assert_allclose(got, expected[row][: len(p)], atol=ATOL, rtol=0)
 
-    # Decode: feed the continuation one token at a time through the cache.
-    capacity = 16
-    caches = engine.grow_caches(caches, capacity)
-    key_valid = engine.decode_key_valid(jnp.asarray(mask), capacity)
-    position = jnp.asarray(mask.sum(1), jnp.int32)
-    for step in range(DECODE_STEPS):
-        token = jnp.asarray([c[step] for c in continuations], jnp.int32)
-        step_logits, caches, states, _ = engine.decode_step(
-            model.graphdef, model.params, plan, token, position, T + step, key_valid, caches, states, step
-        )
-        position = position + 1
-        for row, p in enumerate(prompts):
-            np.testing.assert_allclose(
-                np.asarray(step_logits[row]), expected[row][len(p) + step], atol=ATOL, rtol=0
-            )
+    _, logp = teacher_forced(model, popjax.Dense(), prompts, np.asarray(continuations), with_logprobs=True)
+    for row, p in enumerate(prompts):
+        want = torch.log_softmax(torch.tensor(expected[row][len(p) - 1 : len(p) - 1 + DECODE_STEPS]), -1).numpy()
+        np.testing.assert_allclose(logp[row], want, atol=ATOL, rtol=0)
 
 
 def test_forward_matches_transformers_with_right_padding(tiny_checkpoints):

@@ -184,6 +184,11 @@ class Plan:
         """FFN weight elements one decode step reads per layer (for the memory roofline)."""
         raise NotImplementedError  # pragma: no cover - interface
 
+    def ffn_weights_read_per_step(self, d: int, batch: int) -> int:
+        """FFN weight elements a decode step of ``batch`` rows reads per layer: the shared
+        weights once, unless the plan keeps a compact copy per sequence (see AggregatedPlan)."""
+        return self.ffn_weights_read(d)
+
 
 @dataclasses.dataclass(frozen=True)
 class AggregatedPlan(Plan):
@@ -191,6 +196,12 @@ class AggregatedPlan(Plan):
     ``_decode``; ``aggregate="per_sequence"`` runs the same code per sequence through vmap."""
 
     aggregate: str = "shared"
+    # Whether the state holds gathered weight blocks (then per-sequence mode holds one per row).
+    compact_weights: ClassVar[bool] = True
+
+    def ffn_weights_read_per_step(self, d: int, batch: int) -> int:
+        copies = batch if self.aggregate == "per_sequence" and self.compact_weights else 1
+        return copies * self.ffn_weights_read(d)
 
     def prefill(self, w, x, valid):
         if self.aggregate == "per_sequence":

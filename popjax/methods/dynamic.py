@@ -19,6 +19,7 @@ from .base import AggregatedPlan, RatioMethod, activations, down_proj, score_pro
 @dataclasses.dataclass(frozen=True)
 class DynamicPlan(AggregatedPlan):
     name: ClassVar[str] = "dynamic"
+    compact_weights: ClassVar[bool] = False  # reads the model's own weights every step
 
     def _prefill(self, w, x, valid):
         y, _, importance = score_prompt(w, x, valid, self.n_keep)
