@@ -6,7 +6,7 @@
 """
 
 from . import engine
-from .generation import Generation, forward, generate, generate_ids
+from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import LoadedModel, convert_source, load
 from .methods import METHODS, Dense, Dynamic, Method, MethodError, POP, Static, make_method
 from .convert.default_model import DEFAULT_MODEL
@@ -24,6 +24,7 @@ __all__ = [
     "MethodError",
     "POP",
     "Static",
+    "StreamPiece",
     "convert_source",
     "engine",
     "forward",
@@ -31,4 +32,6 @@ __all__ = [
     "generate_ids",
     "load",
     "make_method",
+    "stream",
+    "stream_ids",
 ]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import engine
+from .convert.default_model import DEFAULT_MODEL
 from .flops import flops_report
 from .generation import generate_ids, pad_batch, pad_token_id
 from .loading import LoadedModel, load
@@ -211,7 +212,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "records": records,
         "transformers": None,
     }
-    if not args.no_transformers and args.model == "smollm2-135m-instruct":
+    if not args.no_transformers and args.model == DEFAULT_MODEL:
         from .convert.default_model import default_gguf_path
 
         result["transformers"] = bench_transformers(default_gguf_path(), texts, args.batches, args.max_new_tokens, args.repeats)
@@ -258,7 +259,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["static", "pop", "dynamic"])
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.4])

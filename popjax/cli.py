@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -38,9 +39,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
     method = method_from_args(args)  # validate before the (slow) load
     model = popjax.load(args.model, dtype=args.dtype)
-    out = popjax.generate(
-        model,
-        args.prompts,
+    options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -49,9 +48,14 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         method=method,
         chat=False if args.no_chat else None,
     )
+    if len(args.prompts) == 1:  # one prompt: print its tokens as they come
+        for piece in popjax.stream(model, args.prompts[0], **options):
+            print(piece.text, end="", flush=True)
+        print()
+        return
+    out = popjax.generate(model, args.prompts, **options)
     for prompt, text in zip(args.prompts, out.texts):
-        if len(args.prompts) > 1:
-            print(f"### {prompt}")
+        print(f"### {prompt}")
         print(text)
 
 
@@ -95,11 +99,14 @@ def _extra_commands():
     """Subcommands defined beside their implementation (bench, eval)."""
     from . import bench
     from .eval import cli as eval_cli
+    from .eval import lm_eval_adapter
 
-    return [bench.register_cli, eval_cli.register_cli]
+    return [bench.register_cli, eval_cli.register_cli, lm_eval_adapter.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' advice that PyTorch is absent is noise here: popjax needs only its tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     _enable_compilation_cache()

@@ -86,11 +86,30 @@ def tiny_checkpoints(tmp_path_factory):
     return get
 
 
+SHARED_CACHE_PARTS = ("downloads", "data", "converted")  # PyPI files and content-keyed conversions
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Conversion caches of the tiny models go to a temp dir; the real default model keeps the
-    shared cache (POPJAX_CACHE or ~/.cache/popjax) so it converts once per machine."""
-    yield
+    """Every test writes its caches (calibration statistics, compiled programs, ...) under a
+    fresh root, so no test reads what an earlier run or the user left there. Downloads, the
+    extracted texts and converted checkpoints, keyed by their content, are shared with the
+    user's cache through links so the real default model is fetched and converted once per
+    machine."""
+    from popjax.convert.store import cache_root
+
+    shared = cache_root()
+    root = tmp_path_factory.mktemp("popjax-cache")
+    for part in SHARED_CACHE_PARTS:
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (root / part).symlink_to(shared / part, target_is_directory=True)
+    previous = os.environ.get("POPJAX_CACHE")
+    os.environ["POPJAX_CACHE"] = str(root)
+    yield root
+    if previous is None:
+        os.environ.pop("POPJAX_CACHE", None)
+    else:
+        os.environ["POPJAX_CACHE"] = previous
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from popjax.bench import bytes_per_step
 from popjax.cli import main
 from popjax.models import ModelConfig
@@ -21,6 +23,7 @@ def test_bytes_per_step_follow_the_kept_channels():
     assert abs(dense / 4 - (30 * (cfg.attention_params_per_layer() + cfg.mlp_params_per_layer()) + 49152 * 576 + 2 * 30 * 96 * 192)) < 1
 
 
+@pytest.mark.slow  # benchmarks the real default model
 def test_bench_command_writes_json(tmp_path):
     path = tmp_path / "bench.json"
     code = main([

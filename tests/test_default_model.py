@@ -8,6 +8,8 @@ import torch
 import popjax
 from popjax.convert import default_gguf_path
 
+pytestmark = pytest.mark.slow  # the real default model
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the square of a number.",

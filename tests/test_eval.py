@@ -72,6 +72,7 @@ def test_truncate_completion_stops_at_the_next_definition():
     assert truncate_completion(text) == "    return a + b\n\n"
 
 
+@pytest.mark.slow  # evaluates the real default model
 def test_eval_command_writes_records_table_and_plots(tmp_path, capsys):
     from popjax.cli import main
 
@@ -98,4 +99,4 @@ def test_eval_rejects_unknown_task_and_method():
     from popjax.cli import main
 
     assert main(["eval", "--tasks", "mmlu"]) == 2
-    assert main(["eval", "--methods", "wanda"]) == 2
+    assert main(["eval", "--methods", "no-such-method"]) == 2

@@ -21,6 +21,7 @@ def test_notebooks_exist_and_are_stripped():
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name} has outputs in git"
 
 
+@pytest.mark.slow  # the notebooks run on the real default model
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_plots_render(path, tmp_path, monkeypatch):
     monkeypatch.setenv("POPJAX_NOTEBOOK_SMALL", "1")  # the kernel inherits the environment

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..convert.default_model import DEFAULT_MODEL
 from .harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
 from .tasks import FidelitySettings, HumanEvalSettings, NLLSettings
 
@@ -18,7 +19,8 @@ def _csv(kind):
 
 def register_cli(sub) -> None:
     p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
     p.add_argument("--methods", type=_csv(str), default=["dense", "static", "pop", "dynamic"])
     p.add_argument("--ratios", type=_csv(float), default=[0.2, 0.4])
     p.add_argument("--gamma", type=float, default=0.1, help="POP's candidate band (default 0.1)")
@@ -55,7 +57,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         fidelity_instructions=args.fidelity_instructions,
         fidelity_humaneval_prompts=args.fidelity_humaneval,
     )
-    model = load(args.model)
+    model = load(args.model, dtype=args.dtype)
     records = evaluate(model, methods, args.tasks, text, settings)
     table = markdown_table(records)
     print(table)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..flops import flops_report
 from ..loading import LoadedModel
-from ..methods import Method, make_method
+from ..methods import METHODS, Method, make_method, method_fields
 from . import tasks as T
 from .data import INSTRUCTIONS, humaneval_problems
 
@@ -45,15 +45,18 @@ def check_tasks(task_names: list[str]) -> None:
 
 
 def sweep_methods(names: list[str], ratios: list[float], gamma: float, aggregate: str) -> list[Method]:
-    """dense once, then each pruning method at each ratio."""
-    methods: list[Method] = [make_method("dense")] if "dense" in names else []
+    """Each method in the order given: once if it takes no ratio (dense), else at each ratio,
+    with ``gamma`` and ``aggregate`` passed to the methods that take them."""
+    methods: list[Method] = []
     for name in names:
-        if name == "dense":
+        fields = method_fields(name)
+        if "ratio" not in fields:
+            methods.append(make_method(name))
             continue
         for ratio in ratios:
-            hyper = {"ratio": ratio, "aggregate": aggregate}
-            if name == "pop":
-                hyper["gamma"] = gamma
+            hyper = {"ratio": ratio, "gamma": gamma if "gamma" in fields else None}
+            if aggregate in getattr(METHODS[name], "aggregates", ()):
+                hyper["aggregate"] = aggregate
             methods.append(make_method(name, **hyper))
     return methods
 
@@ -113,8 +116,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         "| method | ratio | " + " | ".join(columns) + " | FFN FLOPs over static (% of dense) |",
         "|---|---|" + "---|" * (len(columns) + 1),
     ]
-    order = {"dense": 0, "static": 1, "pop": 2, "dynamic": 3}
-    for (method, ratio), row in sorted(rows.items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 9))):
+    order = {method: i for i, (method, _) in enumerate(rows)}  # the sweep's own order
+    for (method, ratio), row in sorted(rows.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
         cells = [f"{row[c]:.4f}" if c in row else "" for c in columns]
         lines.append(f"| {method} | {ratio:.2f} | " + " | ".join(cells) + f" | {100 * row['overhead']:.2f} |")
     return "\n".join(lines)

@@ -237,6 +237,7 @@ class RatioMethod(Method):
     in ``plan_sizes``; a ratio that keeps every channel binds to the dense plan."""
 
     plan_class: ClassVar[type] = AggregatedPlan
+    aggregates: ClassVar[tuple[str, ...]] = AGGREGATES  # the values ``aggregate`` takes
     ratio: float = 0.2
     _: dataclasses.KW_ONLY
     aggregate: str = "shared"
