@@ -80,20 +80,40 @@ class Transformer(nnx.Module):
         write_index: jax.Array | int = 0,
         last_only: bool = False,
         gates: jax.Array | None = None,
+        layer_modes: Sequence[str] | None = None,
+        prefix_masked_layers: frozenset[int] = frozenset(),
+        prefix_end: jax.Array | int = 0,
     ) -> tuple[jax.Array, list[KVCache], list[Any], list[Any]]:
         """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states, aux.
 
         With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
         their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
+        ``mlp_fn`` is one function for every layer or a sequence of one per layer.
         ``gates`` [L, B, T] (optional) are the virtual layer gates of SPEC §4 (see DecoderLayer).
+
+        Layer-level methods (SPEC §4, §6) steer the loop without the model naming them:
+        ``layer_modes[i]`` is "full" (default), "kv" (the layer only writes keys/values projected
+        from its input and passes the residual stream through) or "none" (passes it through and
+        writes zero keys/values); layers in ``prefix_masked_layers`` ignore cache slots before
+        ``prefix_end`` (the slots such a "none" layer never wrote).
         """
         x = self.embed[...][tokens]
         cos, sin = rope_cos_sin(self.cfg, positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
+            mode = "full" if layer_modes is None else layer_modes[i]
+            if mode != "full":
+                new_caches.append(_bypass_cache(layer, x, cos, sin, mode))
+                new_states.append(None)
+                auxes.append({})
+                continue
+            layer_valid = key_valid
+            if i in prefix_masked_layers:
+                layer_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= prefix_end)[None]
+            fn = mlp_fn[i] if isinstance(mlp_fn, (list, tuple)) else mlp_fn
             x, cache, state, aux = layer(
-                x, cos, sin, key_valid, cache, write_index, mlp_fn, mlp_states[i],
+                x, cos, sin, layer_valid, cache, write_index, fn, mlp_states[i],
                 None if gates is None else gates[i], i,
             )
             new_caches.append(cache)
@@ -102,6 +122,16 @@ class Transformer(nnx.Module):
         if last_only:
             x = x[:, -1:]
         return self.logits(x), new_caches, new_states, auxes
+
+
+def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str) -> KVCache:
+    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer)."""
+    if mode == "kv":
+        return layer.attn.project_kv(layer.attn_norm(x), cos, sin)
+    if mode == "none":
+        shape = (*x.shape[:2], layer.attn.cfg.num_key_value_heads, layer.attn.cfg.head_dim)
+        return KVCache(jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
+    raise ValueError(f"layer mode {mode!r} is not one of ('full', 'kv', 'none')")
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Transformer:

@@ -8,7 +8,7 @@
 from . import engine
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import LoadedModel, convert_source, load
-from .methods import METHODS, Dense, Dynamic, Method, MethodError, POP, Static, make_method
+from .methods import METHODS, Dense, Dynamic, Method, MethodError, POP, PrefillOnly, Static, make_method
 from .convert.default_model import DEFAULT_MODEL
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "Method",
     "MethodError",
     "POP",
+    "PrefillOnly",
     "Static",
     "StreamPiece",
     "convert_source",

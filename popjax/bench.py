@@ -28,7 +28,7 @@ from .convert.default_model import DEFAULT_MODEL
 from .flops import flops_report
 from .generation import generate_ids, pad_batch, pad_token_id
 from .loading import LoadedModel, load
-from .methods import Method, make_method
+from .methods import Method, make_method, method_fields
 from .methods.base import Plan
 from .models.config import ModelConfig
 
@@ -156,6 +156,31 @@ def bench_transformers(gguf_path: Path, texts: list[str], batches: list[int], ma
     return out
 
 
+def run_suites(args: argparse.Namespace, model: LoadedModel, prompts: list[list[int]]) -> dict[str, Any]:
+    """The engine suites of ``popjax.bench_suites`` that ``--suites`` names."""
+    from tqdm.auto import tqdm
+
+    from . import bench_suites as suites
+    from .eval.data import DEV_PLAY, load_play
+
+    out: dict[str, Any] = {}
+    dense = make_method("dense")
+    if "lengths" in args.suites:
+        methods = [dense] + [make_method(name, ratio=r) if "ratio" in method_fields(name) else make_method(name)
+                             for name in args.length_methods for r in args.ratios[:1]]
+        out["lengths"] = suites.lengths_suite(
+            model, methods, load_play(DEV_PLAY), args.prompt_lengths, args.batches, args.length_new_tokens, args.repeats,
+            progress=lambda jobs: tqdm(jobs, desc="prompt lengths", unit="run"),
+        )
+    if "capacity" in args.suites:
+        out["capacity"] = suites.capacity_suite(model, dense, prompts[0], 64, [64, 4096], args.repeats)
+    if "stream" in args.suites:
+        out["stream"] = suites.stream_suite(model, dense, prompts[0], 64, args.repeats)
+    if "memory" in args.suites:
+        out["memory"] = suites.memory_suite(model, dense, 8192)
+    return out
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
@@ -165,9 +190,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     methods = [make_method("dense")] + [
-        make_method(name, ratio=r) for name in args.methods if name != "dense" for r in args.ratios
-    ]
+        make_method(name, ratio=r) for name in args.methods if "ratio" in method_fields(name) for r in args.ratios
+    ] + [make_method(name) for name in args.methods if name != "dense" and "ratio" not in method_fields(name)]
     bandwidth = [measure_bandwidth()]
+    if "decode" not in args.suites:
+        methods = []
     runs = [
         MethodRun(model, method, [prompts[i % len(prompts)] for i in range(batch)], args.max_new_tokens)
         for method in tqdm(methods, desc="compile", unit="method")
@@ -210,9 +237,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "bandwidth_gb_s": bw,
         "bandwidth_samples_gb_s": bandwidth,
         "records": records,
+        "suites": run_suites(args, model, prompts),
         "transformers": None,
     }
-    if not args.no_transformers and args.model == DEFAULT_MODEL:
+    if "decode" in args.suites and not args.no_transformers and args.model == DEFAULT_MODEL:
         from .convert.default_model import default_gguf_path
 
         result["transformers"] = bench_transformers(default_gguf_path(), texts, args.batches, args.max_new_tokens, args.repeats)
@@ -242,9 +270,36 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_suites(suites: dict[str, Any]) -> str:
+    """Markdown for the engine suites present in ``suites``."""
+    lines = []
+    if "lengths" in suites:
+        lines += ["", "| method | prompt tokens | batch | TTFT ms | TTFT × dense | decode tok/s | decode × dense |", "|---|---|---|---|---|---|---|"]
+        for r in suites["lengths"]:
+            lines.append(
+                f"| {r['label']} | {r['prompt_tokens']} | {r['batch']} | {1000 * r['ttft_s']:.0f} | "
+                f"{r.get('ttft_speedup_vs_dense', float('nan')):.2f} | {r['decode_tokens_per_s']:.1f} | {r.get('decode_vs_dense', float('nan')):.2f} |"
+            )
+    if "capacity" in suites:
+        lines += ["", "| capacity | cache slots | decode tok/s | × smallest |", "|---|---|---|---|"]
+        lines += [f"| {r['capacity']} | {r['cache_slots']} | {r['decode_tokens_per_s']:.1f} | {r['decode_vs_smallest']:.2f} |" for r in suites["capacity"]]
+    if "stream" in suites:
+        r = suites["stream"]
+        lines.append(f"\nstreaming: {r['stream_tokens_per_s']:.1f} tok/s vs loop {r['loop_tokens_per_s']:.1f} ({100 * r['stream_vs_loop']:.0f}%), recompiles {r['stream_recompiles']}")
+    if "memory" in suites:
+        r = suites["memory"]
+        lines.append(
+            f"\nprefill at {r['prompt_tokens']} tokens: XLA temp {r['temp_bytes'] / 2**20:.0f} MiB "
+            f"(a full fp32 score tensor would be {r['full_score_tensor_bytes'] / 2**20:.0f} MiB)"
+        )
+    return "\n".join(lines)
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     result = run_bench(args)
-    print(format_table(result))
+    if result["records"]:
+        print(format_table(result))
+    print(format_suites(result["suites"]))
     if args.json:
         write_json_atomic(Path(args.json), result)
 
@@ -267,5 +322,11 @@ def register_cli(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--suites", type=lambda s: s.split(","), default=["decode"],
+                   help="any of decode (methods × batches), lengths (TTFT by prompt length), capacity, stream, memory")
+    p.add_argument("--prompt-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048])
+    p.add_argument("--length-methods", type=lambda s: s.split(","), default=["pop"],
+                   help="methods of the lengths suite besides dense (first --ratios value)")
+    p.add_argument("--length-new-tokens", type=int, default=32)
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(run=_cmd_bench)

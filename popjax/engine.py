@@ -53,6 +53,16 @@ def stack_layers(per_layer: list[Any]) -> Any:
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
 
+def stack_aux(per_layer: list[Any]) -> Any:
+    """Per-layer aux -> one pytree stacked over layers; layers that produced none (skipped in
+    prefill) get zeros shaped like the others'."""
+    full = next((a for a in per_layer if jax.tree_util.tree_leaves(a)), None)
+    if full is None:
+        return {}
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, full)
+    return stack_layers([a if jax.tree_util.tree_leaves(a) else zeros for a in per_layer])
+
+
 class DecodeState(NamedTuple):
     """The state one decode step advances (a pytree; B batch bucket, S cache slots)."""
 
@@ -61,6 +71,7 @@ class DecodeState(NamedTuple):
     step: jax.Array  # [] int32: decode-path calls so far (the methods' ``step``)
     key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
+    prefix_end: jax.Array  # [] int32: first slot not written by prefill (see Plan.prefix_masked_layers)
     caches: tuple[KVCache, ...]  # L × k, v [B, S, n_kv, h]
     method_states: tuple[Any, ...]  # L × the plan's state
 
@@ -74,44 +85,66 @@ class Sampler(NamedTuple):
 
 
 def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None):
-    """tokens, mask [B, T] -> (logits [B, V] at the last slot or [B, T, V], DecodeState with
-    S = cache_slots(T, capacity), per-layer aux)."""
+    """tokens, mask [B, T] -> (logits [B, V] for the next token or [B, T, V], DecodeState with
+    S = cache_slots(T, capacity), per-layer aux).
+
+    A plan with a ``boundary`` prefills all but each row's last prompt token (the last column,
+    since rows are left-padded) and runs that token through the full model as a decode-path
+    step; ``all_logits`` (``forward``) prefills every position instead."""
     B, T = tokens.shape
-    valid = mask.astype(bool)
+    boundary = plan.boundary and not all_logits
+    prefill_mask = mask.at[:, -1].set(0) if boundary else mask
+    valid = prefill_mask.astype(bool)
     logits, caches, states, aux = model(
         tokens,
-        positions_from_mask(mask),
+        positions_from_mask(prefill_mask),
         valid,
         lambda w, _state, x: plan.prefill(w, x, valid),
         [None] * len(model.layers),
         last_only=not all_logits,
         gates=gates,
+        layer_modes=plan.prefill_layer_modes(len(model.layers)),
     )
     S = cache_slots(T, capacity)
     grow = lambda a: jnp.zeros((B, S, *a.shape[2:]), a.dtype).at[:, :T].set(a)
     state = DecodeState(
-        position=jnp.sum(mask, axis=1).astype(jnp.int32),
-        index=jnp.int32(T),
+        position=jnp.sum(mask, axis=1).astype(jnp.int32) - int(boundary),
+        index=jnp.int32(T - int(boundary)),
         step=jnp.int32(0),
-        key_valid=jnp.concatenate([valid, jnp.ones((B, S - T), bool)], axis=1),
-        live=jnp.any(valid, axis=1),
+        key_valid=jnp.concatenate([mask.astype(bool), jnp.ones((B, S - T), bool)], axis=1),
+        live=jnp.any(mask.astype(bool), axis=1),
+        prefix_end=jnp.int32(T - int(boundary)),
         caches=tuple(KVCache(grow(c.k), grow(c.v)) for c in caches),
         method_states=tuple(states),
     )
-    return (logits if all_logits else logits[:, -1]), state, aux
+    if not boundary:
+        return (logits if all_logits else logits[:, -1]), state, aux
+    logits, state, boundary_aux = _advance(model, plan, state, tokens[:, -1], boundary=True)
+    # layers that skipped prefill built their method state (and prefill aux) from the boundary
+    aux = [a if state_i is not None else b for a, b, state_i in zip(aux, boundary_aux, states)]
+    return logits, state._replace(step=jnp.int32(0)), aux
 
 
-def _advance(model, plan: Plan, state: DecodeState, token):
-    """Feeds token [B] through the decode path -> (logits [B, V], next state, per-layer aux)."""
+def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = False):
+    """Feeds token [B] through the decode path -> (logits [B, V], next state, per-layer aux).
+    In the ``boundary`` step, layers without a method state (they skipped prefill) run the
+    method's prefill on this token instead, which builds their state."""
     valid = state.live[:, None]
+    decode = lambda w, s, x: plan.decode(w, s, x, state.step, valid)
+    mlp_fn = decode
+    if boundary:
+        first = lambda w, _s, x: plan.prefill(w, x, valid)
+        mlp_fn = [decode if s is not None else first for s in state.method_states]
     logits, caches, states, aux = model(
         token[:, None],
         state.position[:, None],
         state.key_valid,
-        lambda w, s, x: plan.decode(w, s, x, state.step, valid),
+        mlp_fn,
         state.method_states,
         caches=state.caches,
         write_index=state.index,
+        prefix_masked_layers=plan.prefix_masked_layers(),
+        prefix_end=state.prefix_end,
     )
     state = state._replace(
         position=state.position + 1,
@@ -145,7 +178,7 @@ def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_a
     layers). ``gates`` [L, B, T] are optional virtual layer gates (SPEC §4; differentiable)."""
     model = nnx.merge(graphdef, params)
     logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates)
-    return logits, list(state.caches), list(state.method_states), stack_layers(aux) if with_aux else {}
+    return logits, list(state.caches), list(state.method_states), stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "with_aux"))
@@ -155,7 +188,7 @@ def start(graphdef, params, plan: Plan, tokens, mask, key, sampling: SamplingPar
     logits, state, aux = _prefill(model, plan, tokens, mask, capacity)
     key, sub = jax.random.split(key)
     token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
-    return Sampler(state, token, key), stack_layers(aux) if with_aux else {}
+    return Sampler(state, token, key), stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "trace"), donate_argnames=("carry",))

@@ -110,8 +110,9 @@ def check_prompt_lengths(model: LoadedModel, prompts: list[list[int]], max_new_t
 
 
 @dataclasses.dataclass(frozen=True)
-class _Request:
-    """A validated generation request, padded to its buckets (shared by generate and stream)."""
+class GenerationRequest:
+    """A validated generation request, padded to its buckets (shared by generate, stream and
+    the benchmark): ``req.start(model)`` runs prefill and samples the first token."""
 
     plan: Any
     tokens: jax.Array  # [B_bucket, T_bucket]
@@ -124,7 +125,10 @@ class _Request:
     key: jax.Array
 
     @classmethod
-    def create(cls, model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos):
+    def create(cls, model, prompts, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, method=None,
+               stop_ids=None, ignore_eos=False, capacity: int | None = None) -> "GenerationRequest":
+        """Validates and pads; ``capacity`` (default: the bucket of ``max_new_tokens``) reserves
+        cache slots for that many new tokens."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; use an integer ≥ 1")
         sampling = SamplingParams.create(temperature, top_k, top_p)
@@ -135,7 +139,7 @@ class _Request:
         plan = resolve_method(method).bind(model.config)
         pad_id = pad_token_id(model)
         tokens, mask = pad_batch(prompts, pad_id)
-        capacity = engine.bucket_for(max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
+        capacity = engine.bucket_for(max(max_new_tokens, capacity or 0), engine.CAPACITY_BUCKETS, "max_new_tokens")
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         stops = _stop_ids(model, stop_ids, ignore_eos)
         return cls(plan, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
@@ -144,6 +148,20 @@ class _Request:
         return engine.start(
             model.graphdef, model.params, self.plan, self.tokens, self.mask, self.key, self.sampling,
             jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux,
+        )
+
+    def decode(self, model, carry, max_new_tokens: int, trace: bool = False):
+        """The compiled decode loop from ``carry`` (consumed) -> (tokens [B, capacity], steps,
+        trace records, final carry)."""
+        return engine.decode_loop(
+            model.graphdef, model.params, self.plan, carry, jnp.int32(max_new_tokens), self.sampling,
+            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, trace=trace,
+        )
+
+    def step(self, model, carry):
+        """One generation step alone (streaming); ``carry`` is consumed."""
+        return engine.stream_step(
+            model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id)
         )
 
     def until_stop(self, row: list[int]) -> list[int]:
@@ -173,16 +191,13 @@ def generate_ids(
     ``ignore_eos`` generates exactly ``max_new_tokens`` unless a ``stop_ids`` entry appears
     (benchmarks, teacher-free evaluation). Batches pad to ``engine.BATCH_BUCKETS`` with dead
     rows that no method statistic sees; traces keep those rows' entries (per-sequence mode)."""
-    req = _Request.create(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    req = GenerationRequest.create(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
     carry, prefill_aux = req.start(model, with_aux=return_trace)
     partition = None
     if return_trace:  # read before the decode loop consumes (donates) the carry
         states = carry.state.method_states
         partition = jax.tree_util.tree_map(np.asarray, engine.stack_layers(list(states))) if states[0] is not None else {}
-    out, steps, records, _ = engine.decode_loop(
-        model.graphdef, model.params, req.plan, carry, jnp.int32(max_new_tokens), req.sampling,
-        jnp.asarray(req.stops), jnp.int32(req.pad_id), capacity=req.capacity, trace=return_trace,
-    )
+    out, steps, records, _ = req.decode(model, carry, max_new_tokens, trace=return_trace)
     out = np.asarray(out)[: req.batch, :max_new_tokens]
     results = [req.until_stop(row) for row in out.tolist()]
     trace = None
@@ -219,12 +234,11 @@ def stream_ids(
 ) -> Iterator[int]:
     """Yields the generated ids of one token-id prompt as they are produced (stop id excluded):
     the decode loop's own step jitted alone, so the tokens equal ``generate_ids``'."""
-    req = _Request.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    req = GenerationRequest.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
     carry, _ = req.start(model)
-    stops, pad = jnp.asarray(req.stops), jnp.int32(req.pad_id)
     for produced in range(max_new_tokens):
         if produced:
-            carry = engine.stream_step(model.graphdef, model.params, req.plan, carry, req.sampling, stops, pad)
+            carry = req.step(model, carry)
         token = int(carry.token[0])
         if not req.until_stop([token]):
             return

@@ -189,6 +189,22 @@ class Plan:
         weights once, unless the plan keeps a compact copy per sequence (see AggregatedPlan)."""
         return self.ffn_weights_read(d)
 
+    # Layer-level hooks (SPEC §4, §6), consulted by the engine; the defaults describe a method
+    # that acts only inside each layer's MLP.
+    def prefill_layer_modes(self, n_layers: int) -> tuple[str, ...] | None:
+        """Per-layer prefill modes for the decoder ("full", "kv", "none"); None = all full."""
+        return None
+
+    def prefix_masked_layers(self) -> frozenset[int]:
+        """Layers whose decode attention ignores the prefilled slots (they wrote none)."""
+        return frozenset()
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the last prompt token skips prefill and runs the full model as the first
+        decode-path step (Prefill-Only Pruning's boundary token)."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class AggregatedPlan(Plan):
