@@ -22,7 +22,7 @@ import numpy as np
 from . import engine
 from .generation import GenerationRequest
 from .loading import LoadedModel
-from .methods import Method
+from .methods import Method, method_label
 from .models.attention import cache_slots
 
 
@@ -126,15 +126,3 @@ def memory_suite(model: LoadedModel, method: Method, prompt_tokens: int, batch: 
         "full_score_tensor_bytes": scores,
         "temp_vs_score_tensor": analysis.temp_size_in_bytes / scores,
     }
-
-
-def method_label(method: Method) -> str:
-    """A short label: the name and the hyper-parameters that differ from the defaults."""
-    import dataclasses
-
-    parts = [
-        f"{f.name}={getattr(method, f.name)}"
-        for f in dataclasses.fields(method)
-        if f.name != "_" and getattr(method, f.name) != f.default
-    ]
-    return method.name + (f"({', '.join(parts)})" if parts else "")

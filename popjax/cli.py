@@ -21,17 +21,35 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def parse_skip(text: str):
+    """--skip: "10" (last 10 layers), "0.33" (a fraction of the layers) or "3,7,12" (a list)."""
+    try:
+        if "," in text:
+            return [int(x) for x in text.split(",") if x]
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--skip {text!r} is not a layer count, a fraction or a comma-separated layer list") from None
+
+
 def add_method_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", default="dense", help="dense, pop, static or dynamic (default dense)")
+    parser.add_argument("--method", default="dense",
+                        help="a method name (popjax.METHODS), or prefill-only+NAME for both (default dense)")
     parser.add_argument("--ratio", type=float, default=None, help="global pruning ratio in [0, 1)")
     parser.add_argument("--gamma", type=float, default=None, help="POP candidate band width (default 0.1)")
     parser.add_argument("--aggregate", default=None, help="shared (default) or per_sequence")
+    parser.add_argument("--skip", type=parse_skip, default=None, help="prefill-only: layers skipped in prefill (default last third)")
+    parser.add_argument("--kv", default=None, help="prefill-only: independent (default) or none")
+    parser.add_argument("--no-boundary", dest="boundary", action="store_false", default=None,
+                        help="prefill-only: prefill the last prompt token too")
 
 
 def method_from_args(args: argparse.Namespace):
     from .methods import make_method
 
-    return make_method(args.method, ratio=args.ratio, gamma=args.gamma, aggregate=args.aggregate)
+    return make_method(
+        args.method, ratio=args.ratio, gamma=args.gamma, aggregate=args.aggregate,
+        skip=args.skip, kv=args.kv, boundary=args.boundary,
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:

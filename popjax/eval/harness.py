@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..flops import flops_report
 from ..loading import LoadedModel
-from ..methods import METHODS, Method, make_method, method_fields
+from ..methods import METHODS, Method, method_fields, method_label, parse_method_spec
 from . import tasks as T
 from .data import INSTRUCTIONS, humaneval_problems
 
@@ -44,20 +44,19 @@ def check_tasks(task_names: list[str]) -> None:
         raise ValueError(f"unknown tasks {unknown}; valid tasks: {list(TASKS)}")
 
 
-def sweep_methods(names: list[str], ratios: list[float], gamma: float, aggregate: str) -> list[Method]:
-    """Each method in the order given: once if it takes no ratio (dense), else at each ratio,
+def sweep_methods(specs: list[str], ratios: list[float], gamma: float, aggregate: str) -> list[Method]:
+    """Each method spec in the order given (``name`` or ``name:key=value:...``, see
+    ``parse_method_spec``): once if it takes no ratio (dense, prefill-only), else at each ratio,
     with ``gamma`` and ``aggregate`` passed to the methods that take them."""
     methods: list[Method] = []
-    for name in names:
-        fields = method_fields(name)
-        if "ratio" not in fields:
-            methods.append(make_method(name))
-            continue
-        for ratio in ratios:
-            hyper = {"ratio": ratio, "gamma": gamma if "gamma" in fields else None}
-            if aggregate in getattr(METHODS[name], "aggregates", ()):
-                hyper["aggregate"] = aggregate
-            methods.append(make_method(name, **hyper))
+    for spec in specs:
+        name = spec.split(":")[0]
+        fields = set().union(*(method_fields(part) for part in name.split("+")))
+        hyper = {"gamma": gamma if "gamma" in fields else None}
+        if "aggregate" in fields and any(aggregate in getattr(METHODS[part], "aggregates", ()) for part in name.split("+")):
+            hyper["aggregate"] = aggregate
+        for ratio in ratios if "ratio" in fields else [None]:
+            methods.append(parse_method_spec(spec, **hyper, ratio=ratio))
     return methods
 
 
@@ -94,6 +93,7 @@ def evaluate(
             metrics = T.humaneval(model, method, problems, settings.humaneval)
         records.append({
             "method": method.name,
+            "label": method_label(method, exclude=("ratio",)),
             "ratio": getattr(method, "ratio", 0.0),
             "gamma": getattr(method, "gamma", None),
             "aggregate": getattr(method, "aggregate", None),
@@ -108,7 +108,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     """One row per (method, ratio) with every metric found, plus the FFN FLOPs overhead."""
     rows: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        row = rows.setdefault((r["method"], r["ratio"]), {"overhead": r["ffn_flops_overhead_vs_static"]})
+        row = rows.setdefault((r["label"], r["ratio"]), {"overhead": r["ffn_flops_overhead_vs_static"]})
         for metric in METRICS[r["task"]]:
             row[metric] = r[metric]
     columns = [m for task in TASKS for m in METRICS[task] if any(m in row for row in rows.values())]
@@ -140,7 +140,7 @@ def plot_records(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             curve = np.asarray(r["nll_by_position"])
             bins = max(1, len(curve) // 16)
             smooth = curve[: len(curve) // bins * bins].reshape(-1, bins).mean(1)
-            label = "dense" if r["method"] == "dense" else f"{r['method']} {r['ratio']:.0%}"
+            label = r["label"] if not r["ratio"] else f"{r['label']} {r['ratio']:.0%}"
             ax.plot(np.arange(len(smooth)) * bins + bins / 2, smooth, label=label, ls="-" if r["ratio"] <= 0.2 else "--")
         ax.set(xlabel="decode position (tokens after the prefilled context)", ylabel="NLL (nats, binned)",
                title="Online teacher-forced NLL by decode position")
@@ -155,9 +155,9 @@ def plot_records(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             if not rows:
                 continue
             fig, ax = plt.subplots(figsize=(5, 3.5))
-            for method in sorted({r["method"] for r in rows} - {"dense"}):
-                pts = sorted((r["ratio"], r[metric]) for r in rows if r["method"] == method)
-                ax.plot(*zip(*pts), marker="o", label=method)
+            for label in dict.fromkeys(r["label"] for r in rows if r["method"] != "dense"):
+                pts = sorted((r["ratio"], r[metric]) for r in rows if r["label"] == label)
+                ax.plot(*zip(*pts), marker="o", label=label)
             for r in rows:
                 if r["method"] == "dense":
                     ax.axhline(r[metric], color="gray", ls=":", label="dense")
