@@ -1,0 +1,459 @@
+"""popjax as a model of lm-evaluation-harness (PyPI ``lm-eval``), and the ``popjax lm-eval`` command.
+
+Importing this module registers the model name ``"popjax"`` with lm-eval::
+
+    import lm_eval
+    import popjax.eval.lm_eval_adapter  # registers "popjax"
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(
+        model="popjax", model_args="method=pop,ratio=0.2,gamma=0.1",
+        tasks=["my_task"], task_manager=TaskManager(include_path="my_tasks/"))
+
+Contexts go through the method's *prefill* and scored continuation tokens through its *decode*
+path one at a time, as the method meets text online (docs/lm_eval.md says what that means per
+method). Requests are sorted and batched by length bucket so one compile serves many batches.
+Methods whose statistics span the batch (``aggregate="shared"``) make a score depend on its
+batch-mates, so ``aggregate`` defaults to a batch-independent value here (``per_sequence``, or
+``per_token`` for TEAL/CATS); batch-dependent methods are batched only with continuations of equal
+length, so no padding enters a shared statistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:  # the `eval` extra; `popjax lm-eval` explains how to install it when it is missing
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+
+    LM_EVAL_IMPORT_ERROR: ImportError | None = None
+except ImportError as err:  # pragma: no cover - depends on the environment
+    TemplateLM, LM_EVAL_IMPORT_ERROR = object, err
+
+    def register_model(*_names):
+        return lambda cls: cls
+
+
+from ..convert.default_model import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 8
+LOGPROB_BUDGET_BYTES = 1 << 30  # [B, N, V] fp32 log-probabilities fetched per call for is_greedy
+# lm-eval hands these to every model it builds; JAX picks the device, batches are fixed-size.
+IGNORED_ARGS = ("device", "max_batch_size")
+# PopjaxLM's own model_args (docs/lm_eval.md describes them); every other key is a method's
+ADAPTER_ARGS = ("source", "method", "dtype", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token")
+
+
+def _require_lm_eval() -> None:
+    if LM_EVAL_IMPORT_ERROR is not None:
+        raise ImportError(
+            "lm-evaluation-harness is not installed; `pip install 'popjax[eval]'` (package lm-eval)"
+        ) from LM_EVAL_IMPORT_ERROR
+
+
+def _target_bucket(n: int) -> int:
+    """Continuation lengths are padded to powers of two up to 128, then to multiples of 128,
+    so the teacher-forced scan compiles once per bucket instead of once per length."""
+    return 2 ** max(2, math.ceil(math.log2(n))) if n <= 128 else 128 * math.ceil(n / 128)
+
+
+def _parse_batch_size(value: Any) -> int:
+    if isinstance(value, str) and value.startswith("auto"):
+        log.info("batch_size=%s: popjax uses fixed batches; using %d", value, DEFAULT_BATCH_SIZE)
+        return DEFAULT_BATCH_SIZE
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit() or int(value) < 1:
+        raise ValueError(f"batch_size={value!r} is invalid; use an integer ≥ 1 (or 'auto')")
+    return int(value)
+
+
+# aggregate values under which a row's result never depends on the other rows of its batch
+INDEPENDENT_AGGREGATES = ("per_sequence", "per_token")
+
+
+def build_method(method: str, hyper: dict[str, Any]):
+    """``make_method`` with lm-eval's model_args semantics: an unknown key is an error naming the
+    valid ones; an unset ``aggregate`` becomes the first batch-independent value the method accepts
+    (``per_sequence``, TEAL/CATS's ``per_token``), so a score never depends on its batch-mates."""
+    from ..methods import MethodError, make_method, method_fields
+
+    fields = sorted(set().union(*(method_fields(name) for name in method.split("+"))) - {"mlp_method"})
+    unknown = sorted(set(hyper) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown popjax model_args {unknown}; valid: {sorted(ADAPTER_ARGS)} and, for "
+            f"method={method!r}, its hyper-parameters {fields}"
+        )
+    if "aggregate" in fields and hyper.get("aggregate") is None:
+        for aggregate in INDEPENDENT_AGGREGATES:
+            try:
+                return make_method(method, **{**hyper, "aggregate": aggregate})
+            except MethodError as err:
+                if "aggregate" not in str(err):
+                    raise
+        log.warning("method %r has no batch-independent aggregate: its scores depend on the batch", method)
+    return make_method(method, **hyper)
+
+
+def batch_independent(method) -> bool:
+    """Whether a request's score cannot depend on the other rows of its batch (unknown: False,
+    which only costs compiles: such methods batch equal-length continuations only)."""
+    from ..methods import Dense
+
+    if hasattr(method, "mlp_method"):  # a layer-level method: its layer choice is per model
+        return method.mlp_method is None or batch_independent(method.mlp_method)
+    return (
+        isinstance(method, Dense)
+        or getattr(method, "aggregate", None) in INDEPENDENT_AGGREGATES
+        or bool(getattr(method, "batch_independent", False))
+    )
+
+
+def prepare_method(method, model):
+    """Calibrates an offline method once for ``model`` (cached on disk by popjax.calibration)."""
+    if hasattr(method, "prepare"):
+        return method.prepare(model)
+    inner = getattr(method, "mlp_method", None)
+    if inner is not None and hasattr(inner, "prepare"):
+        return dataclasses.replace(method, mlp_method=inner.prepare(model))
+    return method
+
+
+@register_model("popjax")
+class PopjaxLM(TemplateLM):
+    """lm-eval model over a popjax model and pruning method (``--model popjax``)."""
+
+    def __init__(
+        self,
+        source: Any = DEFAULT_MODEL,
+        method: str = "dense",
+        dtype: str = "float32",
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        seed: int = 0,
+        add_bos_token: bool | None = None,
+        **method_args: Any,
+    ) -> None:
+        _require_lm_eval()
+        super().__init__()
+        from ..loading import LoadedModel, load
+
+        for name in IGNORED_ARGS:
+            if method_args.pop(name, None) is not None:
+                log.info("model arg %s is ignored: JAX places the model, batches are fixed", name)
+        self.method = build_method(method, method_args)  # validated before the (slow) load
+        self.batch_size = _parse_batch_size(DEFAULT_BATCH_SIZE if batch_size is None else batch_size)
+        self.model = source if isinstance(source, LoadedModel) else load(source, dtype=dtype)
+        if self.model.tokenizer is None:
+            raise ValueError(f"model {self.model.source} has no tokenizer; lm-eval tasks are text")
+        self.method = prepare_method(self.method, self.model)
+        self.tokenizer = self.model.tokenizer
+        context = self.model.config.max_position_embeddings
+        self._max_length = context if max_length is None else int(max_length)
+        if not 2 <= self._max_length <= context:
+            raise ValueError(f"max_length={max_length} is outside [2, {context}] (the model's context)")
+        self.max_gen_toks, self.seed, self.add_bos_token = int(max_gen_toks), int(seed), add_bos_token
+        self.independent = batch_independent(self.method)
+        log.info("popjax lm-eval model: %s, method %r", self.model.source, self.method)
+
+    # ------------------------------------------------------------ tokenisation (as lm-eval's HFLM)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Context of an empty-context request and of the first rolling window: BOS, else EOS."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "popjax")).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
+        bos = self.tokenizer.bos_token
+        if add_special_tokens is None and bos and string.startswith(bos):
+            add_special_tokens = False  # a chat-templated prompt already holds BOS (as HFLM)
+        extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return list(self.tokenizer.encode(string, **extra))
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    # ------------------------------------------------------------ scoring
+
+    def _batches(self, order: list[int], key=lambda i: 0) -> list[list[int]]:
+        """Request indices in ``order`` -> batches of ≤ batch_size sharing one compile ``key(i)``."""
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and key(batches[-1][0]) == key(i) and len(batches[-1]) < self.batch_size:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, with_greedy: bool = True
+    ) -> list[tuple[float, bool]]:
+        """(cache key, context ids, continuation ids) -> (log-likelihood, is_greedy) per request:
+        context through the method's prefill, continuation through its decode path."""
+        from tqdm import tqdm
+
+        from .. import engine
+        from .teacher import teacher_forced
+
+        contexts, targets = [], []
+        for _, context, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens exceeds max_length={self.max_length}"
+                )
+            # as HFLM: keep the last max_length + 1 tokens of context + continuation (the final
+            # continuation token is only predicted, never fed to the model)
+            contexts.append(list(context)[-(self.max_length + 1 - len(continuation)) :])
+            targets.append(list(continuation))
+        keys = [
+            (
+                _target_bucket(len(t)) if self.independent else len(t),
+                engine.bucket_for(len(c), engine.PROMPT_BUCKETS, "a context length"),
+            )
+            for c, t in zip(contexts, targets)
+        ]
+        # longest first (as HFLM): a batch too large for memory fails at once, not at the end
+        order = sorted((i for i in range(len(requests)) if targets[i]), key=lambda i: keys[i], reverse=True)
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)  # empty continuation: log 1
+        vocab = self.model.config.vocab_size
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="popjax loglikelihood")
+        progress.update(len(requests) - len(order))
+        for batch in self._batches(order, keys.__getitem__):
+            n = keys[batch[0]][0]
+            # is_greedy needs [B, N, V] log-probabilities; split a batch whose array is too big
+            step = max(1, LOGPROB_BUDGET_BYTES // (n * vocab * 4)) if with_greedy else len(batch)
+            for start in range(0, len(batch), step):
+                chunk = batch[start : start + step]
+                padded = np.zeros((len(chunk), n), np.int32)
+                for r, i in enumerate(chunk):
+                    padded[r, : len(targets[i])] = targets[i]
+                nll, logp = teacher_forced(
+                    self.model, self.method, [contexts[i] for i in chunk], padded, with_logprobs=with_greedy
+                )
+                for r, i in enumerate(chunk):
+                    k = len(targets[i])
+                    greedy = bool((logp[r, :k].argmax(-1) == padded[r, :k]).all()) if with_greedy else False
+                    results[i] = (-float(nll[r, :k].astype(np.float64).sum()), greedy)
+            progress.update(len(batch))
+        progress.close()
+        for (cache_key, _, _), result in zip(requests, results):
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole texts over lm-eval's disjoint rolling windows of ``max_length``
+        tokens, the first conditioned on BOS/EOS, each scored as a (context, continuation) pair."""
+        from lm_eval import utils as lm_utils
+
+        windows, owners = [], []
+        for index, (text,) in enumerate(req.args for req in requests):
+            for context, predicted in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, context, predicted))
+                owners.append(index)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, with_greedy=False)
+        totals = [0.0] * len(requests)
+        for owner, (score, _) in zip(owners, scores):
+            totals[owner] += score
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------ generation
+
+    def _single_token_stops(self, until: list[str]) -> list[int]:
+        """Ids of ``until`` strings that are one whole token: the decode loop stops on them early
+        (the text cut below stays the reference, so this only saves steps)."""
+        from ..generation import MAX_STOP_IDS
+
+        eos = (set(self.model.config.eos_token_ids) | {self.tokenizer.eos_token_id}) - {None}
+        ids: list[int] = []
+        for text in until:
+            enc = self.tok_encode(text, add_special_tokens=False)
+            if len(enc) == 1 and self.tok_decode(enc, skip_special_tokens=False) == text and enc[0] not in eos:
+                ids += [] if enc[0] in ids else enc
+        return ids[: max(0, MAX_STOP_IDS - len(eos))]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """``generate_ids`` with the method (greedy unless ``do_sample``), cut at ``until``."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+        from tqdm import tqdm
+
+        from ..generation import generate_ids
+
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        results: list[str] = [""] * len(requests)
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="popjax generate_until")
+        batch_no = 0
+        for members in groups.values():
+            kwargs = dict(normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks))
+            eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = int(kwargs.pop("max_gen_toks"))
+            if not 1 <= max_gen < self.max_length:
+                raise ValueError(f"max_gen_toks={max_gen} must be in [1, max_length={self.max_length})")
+            sampled = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0)) if sampled else 0.0
+            top_k, top_p = int(kwargs.pop("top_k", 0) or 0), float(kwargs.pop("top_p", 1.0) or 1.0)
+            if kwargs:
+                log.warning("generation kwargs %s are not supported by popjax and are ignored", sorted(kwargs))
+            contexts = {}
+            for i in members:
+                ids = self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen) :]
+                contexts[i] = ids or [self.prefix_token_id]
+            order = sorted(members, key=lambda i: len(contexts[i]), reverse=True)
+            for batch in self._batches(order):  # generate_ids buckets prompt lengths itself
+                out, _ = generate_ids(
+                    self.model, [contexts[i] for i in batch], max_new_tokens=max_gen, temperature=temperature,
+                    top_k=top_k, top_p=top_p, seed=self.seed + batch_no, method=self.method,
+                    stop_ids=self._single_token_stops(until),
+                )
+                batch_no += 1
+                for i, ids in zip(batch, out):
+                    text = postprocess_generated_text(self.tok_decode(ids), until, None)
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                progress.update(len(batch))
+        progress.close()
+        return results
+
+
+# ---------------------------------------------------------------- the `popjax lm-eval` command
+
+
+def _limit(value: str) -> int | float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"--limit {value} must be > 0 (a count, or a fraction below 1)")
+    return int(number) if number >= 1 and number.is_integer() else number
+
+
+def register_cli(sub) -> None:
+    from ..cli import add_method_args
+
+    p = sub.add_parser("lm-eval", help="score a method on lm-evaluation-harness tasks (popjax[eval])")
+    p.add_argument("--tasks", required=True, type=lambda s: [t for t in s.split(",") if t],
+                   help="comma-separated lm-eval task names (built-in or from --include-path)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32")
+    before = {action.dest for action in p._actions}
+    add_method_args(p)  # the method flags every command shares; their values become model_args
+    p.set_defaults(method_flags=[a.dest for a in p._actions if a.dest not in before])
+    for action in p._actions:  # this command's default differs from generate's (see build_method)
+        if action.dest == "aggregate":
+            action.help = "default here: per_sequence (per_token for teal/cats), so a score never depends on its batch"
+    p.add_argument("--model-args", default="", help="more model_args, e.g. max_length=1024 or a method's hyper-parameters")
+    p.add_argument("--include-path", default=None, help="directory of extra task YAMLs (local tasks)")
+    p.add_argument("--no-builtin-tasks", action="store_true",
+                   help="index only --include-path, not lm-eval's built-in tasks (faster, offline)")
+    p.add_argument("--limit", type=_limit, default=None, help="documents per task (count, or fraction < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    p.add_argument("--apply-chat-template", action="store_true")
+    p.add_argument("--bootstrap-iters", type=int, default=100000, help="0 skips bootstrapped stderrs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write lm-eval's results here")
+    p.set_defaults(run=_cmd_lm_eval)
+
+
+def model_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
+    from lm_eval.utils import simple_parse_args_string
+
+    given = {"source": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "seed": args.seed}
+    given |= {name: getattr(args, name) for name in args.method_flags}  # method, ratio, gamma, ...
+    return {k: v for k, v in given.items() if v is not None} | simple_parse_args_string(args.model_args)
+
+
+def task_manager_for(tasks: list[str], include_path: str | None, builtin: bool = True):
+    """A TaskManager that knows ``tasks``, or a ValueError naming the unknown ones.
+
+    Indexing lm-eval's thousands of built-in YAMLs takes tens of seconds, so when every task is
+    found under ``include_path`` the built-ins are not indexed (include_path wins either way);
+    ``builtin=False`` never indexes them."""
+    from lm_eval.tasks import TaskManager
+
+    manager = None
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise FileNotFoundError(f"--include-path {include_path} is not a directory")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not builtin or all(local.match_tasks([t]) for t in tasks):
+            manager = local
+    elif not builtin:
+        raise ValueError("--no-builtin-tasks needs --include-path DIR (the local task YAMLs)")
+    if manager is None:
+        manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}; pass --include-path DIR for local task YAMLs "
+            "(`lm-eval ls tasks` lists the built-in ones)"
+        )
+    return manager
+
+
+def _cmd_lm_eval(args: argparse.Namespace) -> None:
+    _require_lm_eval()
+    import lm_eval
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from ..bench import write_json_atomic
+    from .cli import _command_line
+
+    model_args = model_args_from_cli(args)
+    hyper = {k: v for k, v in model_args.items() if k not in ADAPTER_ARGS + IGNORED_ARGS}
+    method = build_method(model_args["method"], hyper)
+    task_manager = task_manager_for(args.tasks, args.include_path, not args.no_builtin_tasks)  # before the load
+    results = lm_eval.simple_evaluate(
+        model="popjax", model_args=model_args, tasks=args.tasks, num_fewshot=args.num_fewshot,
+        limit=args.limit, task_manager=task_manager, apply_chat_template=args.apply_chat_template,
+        bootstrap_iters=args.bootstrap_iters, log_samples=False, random_seed=args.seed,
+    )
+    print(make_table(results))
+    if args.json:
+        payload = {"command": _command_line(), "model_args": model_args, "method": repr(method), **results}
+        write_json_atomic(Path(args.json), json.loads(json.dumps(payload, default=handle_non_serializable)))
