@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import engine
-from .generation import GenerationRequest
+from .generation import GenerationRequest, stream_ids
 from .loading import LoadedModel
 from .methods import Method, method_label
 from .models.attention import cache_slots
@@ -86,14 +86,8 @@ def capacity_suite(model, method: Method, prompt: list[int], new_tokens: int, ca
 
 def stream_suite(model, method: Method, prompt: list[int], new_tokens: int, repeats: int) -> dict[str, float]:
     """Tokens/s of the streaming step loop (one host round trip per token) vs the compiled loop."""
-    req = GenerationRequest.create(model, [prompt], new_tokens, method=method, ignore_eos=True)
-
     def streamed():
-        carry = req.start(model)[0]
-        for _ in range(new_tokens - 1):
-            carry = req.step(model, carry)
-            int(carry.token[0])  # the host reads every token, as a streaming consumer does
-        return carry.token
+        return list(stream_ids(model, prompt, new_tokens, method=method, ignore_eos=True))
 
     streamed()
     loop = time_generation(model, method, [prompt], new_tokens, repeats)

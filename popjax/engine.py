@@ -226,10 +226,12 @@ def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sa
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames=("carry",))
-def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: SamplingParams, stop_ids, pad_id) -> Sampler:
-    """One generation step alone (streaming): the decode loop's body, the carry donated."""
+def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: SamplingParams, stop_ids, pad_id):
+    """One generation step alone (streaming): the decode loop's body, the carry donated ->
+    (carry, the new token [B] as its own buffer, readable after the carry is donated again)."""
     model = nnx.merge(graphdef, params)
-    return _generation_step(model, plan, carry, sampling, stop_ids, pad_id)[0]
+    carry = _generation_step(model, plan, carry, sampling, stop_ids, pad_id)[0]
+    return carry, carry.token
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs"))

@@ -159,7 +159,7 @@ class GenerationRequest:
         )
 
     def step(self, model, carry):
-        """One generation step alone (streaming); ``carry`` is consumed."""
+        """One generation step alone (streaming); ``carry`` is consumed -> (carry, token [B])."""
         return engine.stream_step(
             model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id)
         )
@@ -236,13 +236,15 @@ def stream_ids(
     the decode loop's own step jitted alone, so the tokens equal ``generate_ids``'."""
     req = GenerationRequest.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
     carry, _ = req.start(model)
-    for produced in range(max_new_tokens):
-        if produced:
-            carry = req.step(model, carry)
-        token = int(carry.token[0])
+    pending = np.asarray(carry.token)  # read before the first step consumes the carry
+    for produced in range(1, max_new_tokens + 1):
+        if produced < max_new_tokens:  # queue the next step before reading this token, so
+            carry, upcoming = req.step(model, carry)  # the device never waits for the host
+        token = int(pending[0])
         if not req.until_stop([token]):
             return
         yield token
+        pending = upcoming
 
 
 def stream(
