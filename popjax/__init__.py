@@ -8,12 +8,24 @@
 from . import engine
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import LoadedModel, convert_source, load
-from .methods import METHODS, Dense, Dynamic, Method, MethodError, POP, PrefillOnly, Static, make_method
+from . import pruned
+from .methods import (
+    BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
+    Static, WandaSP, make_method,
+)
 from .convert.default_model import DEFAULT_MODEL
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BWAP",
+    "CATS",
+    "FLAP",
+    "GRIFFIN",
+    "ProbePruning",
+    "TEAL",
+    "WandaSP",
+    "pruned",
     "DEFAULT_MODEL",
     "METHODS",
     "Dense",

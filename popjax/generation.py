@@ -11,7 +11,7 @@ import numpy as np
 
 from . import engine
 from .loading import LoadedModel
-from .methods import Method, resolve_method
+from .methods import Method, prepared
 from .sampling import SamplingParams
 
 MAX_STOP_IDS = 8  # stop ids are padded to this static size so their number never recompiles
@@ -136,7 +136,7 @@ class GenerationRequest:
         if not prompts:
             raise ValueError("no prompts given")
         check_prompt_lengths(model, prompts, max_new_tokens)
-        plan = resolve_method(method).bind(model.config)
+        plan = prepared(method, model).bind(model.config)
         pad_id = pad_token_id(model)
         tokens, mask = pad_batch(prompts, pad_id)
         capacity = engine.bucket_for(max(max_new_tokens, capacity or 0), engine.CAPACITY_BUCKETS, "max_new_tokens")
@@ -345,7 +345,7 @@ def forward(
     rows = engine.bucket_for(ids.shape[0], engine.BATCH_BUCKETS, "a batch size")
     tokens = np.pad(ids, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     full_mask = np.pad(mask, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
-    plan = resolve_method(method).bind(model.config)
+    plan = prepared(method, model).bind(model.config)
     logits, _, _, _ = engine.prefill(
         model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True
     )

@@ -17,7 +17,8 @@ from .convert.default_model import DEFAULT_MODEL, default_gguf_path
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
 from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
 from .models.config import ModelConfig
-from .models.decoder import abstract_model
+from .models.decoder import Transformer, abstract_model
+from .models.layers import MLPWeights
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,13 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
         if cfg.qkv_bias:
             fused_attn["qkv_bias"] = np.concatenate([attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias")])
         mlp = layer["mlp"]
+        fused_mlp = {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]}
+        if "down_bias" in mlp:  # a FLAP-pruned checkpoint (popjax.pruned)
+            fused_mlp["down_bias"] = mlp["down_bias"]
         out["layers"][str(key)] = {
             **{k: v for k, v in layer.items() if k not in ("attn", "mlp")},
             "attn": {**attn, **fused_attn},
-            "mlp": {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]},
+            "mlp": fused_mlp,
         }
     return out
 
@@ -168,7 +172,7 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
 def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str) -> LoadedModel:
     """Places a converted checkpoint tree into the Transformer and computes derived constants."""
     dtype_jnp = jnp.dtype(dtype)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype_jnp))
+    graphdef, state = nnx.split(_abstract_model(cfg, dtype_jnp))
     pure = nnx.to_pure_dict(state)
     _fill(pure, fuse_checkpoint(cfg, params), "")
     nnx.replace_by_pure_dict(state, pure)
@@ -176,6 +180,21 @@ def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str
     model.finalize()
     graphdef, state = nnx.split(model)
     return LoadedModel(cfg, graphdef, state, tokenizer, source, dtype)
+
+
+def _abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
+    """`abstract_model`, with each layer's MLP at its own width when the config has per-layer
+    widths (a FLAP-pruned checkpoint, popjax.pruned)."""
+    if cfg.intermediate_sizes is None:
+        return abstract_model(cfg, dtype)
+
+    def build():
+        model = Transformer(cfg, dtype)
+        for i, layer in enumerate(model.layers):
+            layer.mlp = MLPWeights(cfg, dtype, i)
+        return model
+
+    return nnx.eval_shape(build)
 
 
 def _fill(target: dict, source: dict, prefix: str) -> None:
@@ -187,4 +206,7 @@ def _fill(target: dict, source: dict, prefix: str) -> None:
         elif name.endswith("down_norm"):
             target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize()
         else:
-            target[key] = jnp.asarray(np.asarray(source[str(key)]), value.dtype)
+            array = np.asarray(source[str(key)])
+            if tuple(array.shape) != tuple(value.shape):
+                raise CheckpointError(f"tensor {name} has shape {array.shape}; the config needs {tuple(value.shape)}")
+            target[key] = jnp.asarray(array, value.dtype)

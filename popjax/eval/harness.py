@@ -85,6 +85,7 @@ def evaluate(
         problems = humaneval_problems(settings.humaneval.subset)
     jobs = [(m, t) for m in methods for t in task_names]
     for method, task in tqdm(jobs, desc="eval", unit="run"):
+        method = method.prepare(model)  # offline methods calibrate once (cached on disk)
         if task == "nll":
             metrics = T.online_nll(model, method, text, settings.nll)
         elif task == "fidelity":

@@ -22,7 +22,6 @@ length, so no padding enters a shared statistic.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -119,16 +118,6 @@ def batch_independent(method) -> bool:
     )
 
 
-def prepare_method(method, model):
-    """Calibrates an offline method once for ``model`` (cached on disk by popjax.calibration)."""
-    if hasattr(method, "prepare"):
-        return method.prepare(model)
-    inner = getattr(method, "mlp_method", None)
-    if inner is not None and hasattr(inner, "prepare"):
-        return dataclasses.replace(method, mlp_method=inner.prepare(model))
-    return method
-
-
 @register_model("popjax")
 class PopjaxLM(TemplateLM):
     """lm-eval model over a popjax model and pruning method (``--model popjax``)."""
@@ -157,7 +146,7 @@ class PopjaxLM(TemplateLM):
         self.model = source if isinstance(source, LoadedModel) else load(source, dtype=dtype)
         if self.model.tokenizer is None:
             raise ValueError(f"model {self.model.source} has no tokenizer; lm-eval tasks are text")
-        self.method = prepare_method(self.method, self.model)
+        self.method = self.method.prepare(self.model)
         self.tokenizer = self.model.tokenizer
         context = self.model.config.max_position_embeddings
         self._max_length = context if max_length is None else int(max_length)

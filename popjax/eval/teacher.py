@@ -13,7 +13,7 @@ import numpy as np
 from .. import engine
 from ..generation import pad_batch, pad_token_id
 from ..loading import LoadedModel
-from ..methods import Method
+from ..methods import Method, prepared
 
 
 def teacher_forced(
@@ -31,7 +31,7 @@ def teacher_forced(
     tokens, mask = pad_batch(prompts, pad_token_id(model))
     padded_targets = np.zeros((tokens.shape[0], targets.shape[1]), np.int32)
     padded_targets[: len(prompts)] = targets
-    plan = method.bind(model.config)
+    plan = prepared(method, model).bind(model.config)
     nll, logp = engine.teacher_force(
         model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(padded_targets), with_logprobs
     )

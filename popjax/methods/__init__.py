@@ -58,13 +58,14 @@ def make_method(name: str, **hyper: Any) -> Method:
 
 def method_label(method: Method, exclude: tuple[str, ...] = ()) -> str:
     """A short label: the name plus the hyper-parameters that differ from their defaults
-    (composed methods show both parts), e.g. ``prefill-only(kv=none)+pop(gamma=0.2)``."""
+    (composed methods show both parts), e.g. ``prefill-only(kv=none)+pop(gamma=0.2)``;
+    calibration results held by a method (thresholds, selections) are not shown."""
     parts, inner = [], None
     for f in dataclasses.fields(method):
         value = getattr(method, f.name)
         if isinstance(value, Method):
             inner = value
-        elif f.name not in exclude and value != f.default:
+        elif f.name not in exclude and value != f.default and isinstance(value, (int, float, str, bool, tuple)):
             parts.append(f"{f.name}={value}")
     label = method.name + (f"({', '.join(parts)})" if parts else "")
     return label if inner is None else f"{label}+{method_label(inner, exclude)}"
@@ -91,6 +92,11 @@ def _spec_value(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+def prepared(method: Method | str | None, model) -> Method:
+    """``resolve_method`` then ``Method.prepare(model)``: what generate/forward/eval run."""
+    return resolve_method(method).prepare(model)
 
 
 def resolve_method(method: Method | str | None) -> Method:
@@ -140,5 +146,6 @@ __all__ = [
     "method_fields",
     "method_label",
     "parse_method_spec",
+    "prepared",
     "resolve_method",
 ]

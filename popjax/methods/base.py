@@ -60,6 +60,11 @@ def round_half_up(x: float) -> int:
 
 def kept_channels(cfg: ModelConfig, ratio: float) -> int:
     """n_keep = f − round(r_ffn · f), static per model and ratio."""
+    if cfg.intermediate_sizes is not None:
+        raise MethodError(
+            f"pruning methods need one FFN width for all layers; this model was pruned to per-layer widths "
+            f"{list(cfg.intermediate_sizes)} (only dense inference runs on it)"
+        )
     f = cfg.intermediate_size
     return f - round_half_up(ffn_ratio(cfg, ratio) * f)
 
@@ -244,6 +249,11 @@ class Method:
 
     def bind(self, cfg: ModelConfig) -> Plan:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def prepare(self, model) -> "Method":
+        """The method ready for ``model``: offline methods calibrate here (once, cached on
+        disk); online methods are ready as they are."""
+        return self
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,16 +9,22 @@ from ..models.config import ModelConfig
 from .base import Method, Plan, activations, down_proj
 
 
+def dense_mlp(w, x):
+    """The full MLP, plus the down bias of a FLAP-pruned checkpoint when it has one."""
+    y = down_proj(activations(w["gate_up"], x), w["down"])
+    return y if w.get("down_bias") is None else y + w["down_bias"]
+
+
 @dataclasses.dataclass(frozen=True)
 class DensePlan(Plan):
     name: ClassVar[str] = "dense"
 
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], no state, no aux)."""
-        return down_proj(activations(w["gate_up"], x), w["down"]), None, {}
+        return dense_mlp(w, x), None, {}
 
     def decode(self, w, state, x, step, valid):
-        return down_proj(activations(w["gate_up"], x), w["down"]), state, {}
+        return dense_mlp(w, x), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.f

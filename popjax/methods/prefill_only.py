@@ -7,8 +7,10 @@ them (time to first token) while decode uses every layer. Three parts:
   residual stream ``x`` through unchanged.
 * **Independent KV projection** (``kv="independent"``): it still writes
   ``k = RoPE(norm(x) W_k)``, ``v = norm(x) W_v`` from that input, so decode steps find complete
-  caches. Ablation ``kv="none"``: skipped layers write nothing and their decode attention ignores
-  the prefilled slots.
+  caches. ``kv="calibrated"`` uses replacement projections ``W_k'``, ``W_v'`` fitted so that they
+  reproduce the full model's K/V from that same input (``popjax.kv_calibration``; they live in
+  the model's params, added by ``with_prefill_kv``). Ablation ``kv="none"``: skipped layers
+  write nothing and their decode attention ignores the prefilled slots.
 * **Boundary token** (``boundary=True``): prefill covers prompt tokens 1..N−1; token N runs the
   full model as the first decode-path step, so the first generated token sees every layer.
   Ablation ``boundary=False``: the whole prompt is prefilled (the first token then comes from
@@ -33,7 +35,7 @@ from ..models.config import ModelConfig
 from .base import Method, MethodError, Plan
 from .dense import Dense, DensePlan
 
-KV_MODES = ("independent", "none")
+KV_MODES = ("independent", "calibrated", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class PrefillOnlyPlan(Plan):
     skipped: tuple[int, ...] = ()
     kv_projection: bool = True
     boundary_token: bool = True
+    calibrated_kv: bool = False  # skipped layers project K/V with their calibrated attn.prefill_kv
 
     def prefill(self, w, x, valid):
         return self.mlp.prefill(w, x, valid)
@@ -60,7 +63,7 @@ class PrefillOnlyPlan(Plan):
         return self.mlp.ffn_weights_read_per_step(d, batch)
 
     def prefill_layer_modes(self, n_layers: int) -> tuple[str, ...]:
-        skipped_mode = "kv" if self.kv_projection else "none"
+        skipped_mode = ("kv_calibrated" if self.calibrated_kv else "kv") if self.kv_projection else "none"
         return tuple(skipped_mode if i in self.skipped else "full" for i in range(n_layers))
 
     def prefix_masked_layers(self) -> frozenset[int]:
@@ -79,7 +82,9 @@ class PrefillOnly(Method):
       skip: which layers prefill skips: None = the last ⌊L/3⌋ (the paper's default); an int k =
         the last k layers; a float in [0, 1) = the last ⌊skip·L⌋ layers; a list of layer indices
         (e.g. ``least_important_prefill_layers(layer_importance(...), k)``).
-      kv: "independent" (skipped layers project K/V from their input) or "none" (ablation).
+      kv: "independent" (skipped layers project K/V from their input), "calibrated" (with
+        projections fitted to the full model's K/V: the model must come from
+        ``popjax.kv_calibration.with_prefill_kv``) or "none" (ablation).
       boundary: run the last prompt token through the full model as the first decode step.
       mlp_method: the MLP method of every layer (dense when None); ``PrefillOnly() + POP(0.2)``
         sets it.
@@ -119,6 +124,12 @@ class PrefillOnly(Method):
         """``PrefillOnly(...) + POP(...)``: prefill-only layer skipping with POP in every MLP."""
         return dataclasses.replace(self, mlp_method=other)
 
+    def prepare(self, model) -> "PrefillOnly":
+        """Prepares the MLP method (e.g. calibrates TEAL) for ``model``."""
+        if self.mlp_method is None:
+            return self
+        return dataclasses.replace(self, mlp_method=self.mlp_method.prepare(model))
+
     def skipped_layers(self, n_layers: int) -> tuple[int, ...]:
         """The skipped layer indices for a model of ``n_layers`` (MethodError if invalid)."""
         skip = self.skip
@@ -146,5 +157,5 @@ class PrefillOnly(Method):
             )
         return PrefillOnlyPlan(
             f=mlp.f, n_keep=mlp.n_keep, mlp=mlp, skipped=layers,
-            kv_projection=self.kv == "independent", boundary_token=self.boundary,
+            kv_projection=self.kv != "none", boundary_token=self.boundary, calibrated_kv=self.kv == "calibrated",
         )

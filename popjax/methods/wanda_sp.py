@@ -1,0 +1,229 @@
+"""Wanda-sp — the structured variant of Wanda ("A Simple and Effective Pruning Approach for Large
+Language Models", Sun, Liu, Bair and Kolter, ICLR 2024), as defined and used as a baseline by FLAP
+(An et al., AAAI 2024; SPEC §5). Also the machinery both offline baselines share.
+
+**Metric.** For the input a = H of W_d (the intermediate activation) on calibration tokens,
+
+    S_j = mean_i |W_d[i, j]| · sqrt(mean_t a_{t,j}²)
+
+and every layer keeps its top n_keep channels (uniform ratio; n_keep from SPEC §1's global ratio).
+
+**Pruned in order.** Layer l is scored on inputs that already went through the pruned layers
+< l. The calibration pass does exactly that in one prefill: the whole corpus goes through as ONE
+batch, and at each layer the collector scores the channels on that batch, keeps the top n_keep
+and gives the next layer the pruned output (``WandaSPInOrder.output``). So a Wanda-sp
+calibration holds ``n_windows × window`` tokens in one batch (16384 by default): choose the
+corpus size with the activation memory in mind.
+
+**Two forms.** ``WandaSP(ratio).calibrate(model)`` (or ``prepare``: calibrate once, cached by
+popjax.calibration) gives a method whose kept channels are fixed; used in ``generate`` it gathers
+the kept gate/up rows and down columns at prefill and runs the prompt and every step on them
+(`SelectionPlan`). ``popjax.pruned.prune_model(model, WandaSP(ratio))`` writes them into a
+smaller checkpoint instead: the deployable form, with the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
+from ..models.config import ModelConfig
+from .base import Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
+from .base import rank_channels, take_channels, take_gate_up
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSelection:
+    """What an offline method calibrated: per layer the kept channel ids (ascending) and, for FLAP,
+    the bias b_l [d] added to the down projection. Hashable: it becomes plan fields.
+
+    ``method`` and ``ratio`` say what it was calibrated for; ``source`` names model and corpus."""
+
+    method: str
+    ratio: float
+    kept: tuple[tuple[int, ...], ...]
+    bias: tuple[tuple[float, ...], ...] | None = None
+    source: str = ""
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.kept)
+
+    def __repr__(self) -> str:  # the channel ids and bias values would fill a screen
+        return f"ChannelSelection({self.method}, ratio={self.ratio}, widths={list(self.widths)}, from {self.source!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionPlan(Plan):
+    """A fixed channel selection per layer (``w["layer"]`` picks it inside jit). Layers may keep
+    different numbers of channels: they are padded to the widest, and the padded down columns
+    are zero, so they add nothing. ``n_keep`` is the mean width (the global budget)."""
+
+    name: ClassVar[str] = "selection"
+    kept: tuple[tuple[int, ...], ...] = ()
+    bias: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def n_max(self) -> int:
+        return max(len(k) for k in self.kept)
+
+    def _tables(self, layer: jax.Array):
+        """This layer's padded ids [n_max] int32, column mask [n_max] and bias [d] (or None)."""
+        idx = np.zeros((len(self.kept), self.n_max), np.int32)
+        mask = np.zeros((len(self.kept), self.n_max), np.float32)
+        for l, k in enumerate(self.kept):
+            idx[l, : len(k)], mask[l, : len(k)] = k, 1.0
+        bias = None if self.bias is None else jnp.asarray(np.asarray(self.bias, np.float32))[layer]
+        return jnp.asarray(idx)[layer], jnp.asarray(mask)[layer], bias
+
+    def _apply(self, state, x, bias):
+        y = down_proj(activations(state["gate_up"], x), state["down"])
+        return y if bias is None else y + bias.astype(y.dtype)
+
+    def prefill(self, w, x, valid):
+        """x [B, T, d] -> (y [B, T, d], compact kept blocks, {}) — the prompt runs pruned too."""
+        idx, mask, bias = self._tables(w["layer"])
+        state = {
+            "gate_up": take_gate_up(w["gate_up"], idx),  # [2 n_max, d]
+            "down": take_channels(w["down"], idx, axis=1) * mask.astype(w["down"].dtype),  # [d, n_max]
+        }
+        return self._apply(state, x, bias), state, {}
+
+    def decode(self, w, state, x, step, valid):
+        return self._apply(state, x, self._tables(w["layer"])[2]), state, {}
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return 6 * d * self.n_max
+
+    def ffn_weights_read(self, d: int) -> int:
+        return 3 * d * self.n_max
+
+
+def resolve_corpus(model, corpus: Corpus | str | Path | None) -> Corpus:
+    """None -> the default Shakespeare corpus; a path -> that UTF-8 text file; a Corpus as is."""
+    if corpus is None:
+        return default_corpus(model)
+    if isinstance(corpus, (str, Path)):
+        return text_file_corpus(corpus, model.tokenizer)
+    if not isinstance(corpus, Corpus):
+        raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+    return corpus
+
+
+def check_uniform_ffn(cfg: ModelConfig, method: str) -> None:
+    if cfg.intermediate_sizes is not None:
+        raise MethodError(
+            f"{method} needs one FFN width for all layers; this model was pruned to per-layer widths "
+            f"{list(cfg.intermediate_sizes)} (only dense inference runs on it)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedPruning(Method):
+    """Base of the offline baselines: a global ``ratio`` and, once calibrated, a `ChannelSelection`."""
+
+    ratio: float = 0.2
+    _: dataclasses.KW_ONLY
+    selection: ChannelSelection | None = None
+
+    def __post_init__(self):
+        check_global_ratio(self.ratio)
+        if self.selection is not None and not isinstance(self.selection, ChannelSelection):
+            raise MethodError(f"{self.name}: selection={self.selection!r} is not a ChannelSelection (use calibrate)")
+
+    def n_keep(self, cfg: ModelConfig) -> int:
+        n_keep = kept_channels(cfg, self.ratio)
+        if n_keep < 1:
+            raise MethodError(f"{self.name}: ratio={self.ratio} keeps no FFN channel of f={cfg.intermediate_size}; use a smaller ratio")
+        return n_keep
+
+    def select(self, model, corpus: Corpus, **calibrate_kwargs: Any) -> ChannelSelection:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def calibrate(self, model, corpus: Corpus | str | Path | None = None, **calibrate_kwargs: Any) -> "CalibratedPruning":
+        """A copy holding the channels calibrated on ``corpus`` (default: the Shakespeare corpus;
+        a path: a UTF-8 text file), cached on disk by `popjax.calibration.calibrate`."""
+        check_uniform_ffn(model.config, self.name)
+        corpus = resolve_corpus(model, corpus)
+        return dataclasses.replace(self, selection=self.select(model, corpus, **calibrate_kwargs))
+
+    def prepare(self, model) -> "CalibratedPruning":
+        """Ready for ``model``: itself when calibrated or when the ratio prunes nothing, else `calibrate`."""
+        if self.selection is not None or kept_channels(model.config, self.ratio) == model.config.intermediate_size:
+            return self
+        return self.calibrate(model)
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        from .dense import DensePlan
+
+        check_uniform_ffn(cfg, self.name)
+        f, n_keep = cfg.intermediate_size, self.n_keep(cfg)
+        if n_keep == f:
+            return DensePlan(f=f, n_keep=f)
+        sel = self.selection
+        if sel is None:
+            raise MethodError(f"{self.name} has no kept channels yet: use {type(self).__name__}(...).calibrate(model) (or .prepare(model)) first")
+        if (sel.method, sel.ratio) != (self.name, self.ratio) or len(sel.kept) != cfg.num_hidden_layers:
+            raise MethodError(
+                f"{self.name}(ratio={self.ratio}): its selection was calibrated by {sel.method} at ratio={sel.ratio} for "
+                f"{len(sel.kept)} layers; this model has {cfg.num_hidden_layers}: calibrate again"
+            )
+        if sum(sel.widths) != n_keep * len(sel.kept) or any(max(k, default=-1) >= f for k in sel.kept):
+            raise MethodError(f"{self.name}: the selection (widths {list(sel.widths)}) does not fit f={f}, n_keep={n_keep}: calibrate again")
+        return SelectionPlan(f=f, n_keep=n_keep, kept=sel.kept, bias=sel.bias)
+
+
+def wanda_sp_scores(h: jax.Array, valid: jax.Array, down: jax.Array) -> jax.Array:
+    """S_j = mean_i |W_d[i,j]| · sqrt(mean_t a_tj²) over valid tokens: h [B, T, f] -> [f] fp32."""
+    hv = jnp.where(valid[..., None], h.astype(jnp.float32), 0.0)
+    mean_sq = jnp.sum(hv * hv, axis=(0, 1)) / jnp.maximum(jnp.sum(valid), 1)
+    return jnp.mean(jnp.abs(down.astype(jnp.float32)), axis=0) * jnp.sqrt(mean_sq)
+
+
+@dataclasses.dataclass(frozen=True)
+class WandaSPInOrder(Statistic):
+    """Wanda-sp's calibration in one pass over ONE batch: each layer is scored on the output of
+    the already pruned layers before it, keeps its top ``n_keep`` and passes its pruned output on."""
+
+    name: ClassVar[str] = "wanda_sp_in_order"
+    version: ClassVar[int] = 1
+    n_keep: int = 1
+
+    def _kept(self, w, valid, h):
+        scores = wanda_sp_scores(h, valid, w["down"])
+        return rank_channels(scores)[: self.n_keep], scores
+
+    def collect(self, w, x, valid, h):
+        kept, scores = self._kept(w, valid, h)
+        hv = jnp.where(valid[..., None], h.astype(jnp.float32), 0.0)
+        return {
+            "kept": jnp.zeros(h.shape[-1], jnp.int32).at[kept].set(1),
+            "scores": scores,
+            "sumsq": jnp.sum(hv * hv, axis=(0, 1)),
+            "tokens": jnp.sum(valid, dtype=jnp.int32),
+        }
+
+    def output(self, w, x, valid, h):
+        return masked_down(h, self._kept(w, valid, h)[0], w["down"])
+
+
+@dataclasses.dataclass(frozen=True)
+class WandaSP(CalibratedPruning):
+    """Wanda-sp: ``WandaSP(ratio=0.2)``; ``.calibrate(model, corpus)`` fixes the kept channels
+    (see the module docstring). ``ratio`` is SPEC §1's global ratio: every layer keeps n_keep."""
+
+    name: ClassVar[str] = "wanda_sp"
+
+    def select(self, model, corpus: Corpus, **calibrate_kwargs: Any) -> ChannelSelection:
+        if "batch_size" in calibrate_kwargs:
+            raise MethodError("wanda_sp calibrates the whole corpus as one batch (layers pruned in order); batch_size cannot be set")
+        stat = WandaSPInOrder(n_keep=self.n_keep(model.config))
+        sums = calibrate(model, stat, corpus, batch_size=len(corpus.windows), **calibrate_kwargs)
+        kept = tuple(tuple(int(j) for j in np.flatnonzero(row)) for row in np.asarray(sums["kept"]))
+        return ChannelSelection(self.name, self.ratio, kept, None, f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)")
