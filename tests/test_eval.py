@@ -38,6 +38,31 @@ def test_dense_teacher_forced_nll_equals_full_forward(tiny_model):
         np.testing.assert_allclose(nll[row], _forward_nll(tiny_model, prompt, targets[row]), atol=1e-4)
 
 
+class _CharTokenizer:
+    """Characters to ids in the tiny model's vocabulary (for tasks that tokenize text)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 150 for c in text]}
+
+
+def test_code_nll_scores_the_canonical_solutions_through_the_decode_path(tiny_model):
+    import dataclasses
+
+    from popjax.eval.tasks import CodeNLLSettings, code_nll
+
+    model = dataclasses.replace(tiny_model, tokenizer=_CharTokenizer())
+    problems = [{"prompt": "def f(x):\n", "canonical_solution": "    return x + 1\n"},
+                {"prompt": "def g(a, b):\n    # add\n", "canonical_solution": "    return a+b\n"}]
+    got = code_nll(model, popjax.Dense(), problems, CodeNLLSettings(max_tokens=12, batch_size=2))
+    tok = model.tokenizer
+    want = np.concatenate([
+        _forward_nll(tiny_model, tok(p["prompt"])["input_ids"], tok(p["canonical_solution"])["input_ids"][:12])
+        for p in problems
+    ])
+    assert got["code_tokens"] == 24
+    np.testing.assert_allclose(got["code_nll"], want.mean(), atol=1e-4)
+
+
 def test_pruned_teacher_forcing_differs_from_dense(tiny_model):
     rng = np.random.default_rng(1)
     prompts = random_prompts(rng, (8, 8), tiny_model.config.vocab_size)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..convert.default_model import DEFAULT_MODEL
 from .harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
-from .tasks import FidelitySettings, HumanEvalSettings, NLLSettings
+from .tasks import CodeNLLSettings, FidelitySettings, HumanEvalSettings, NLLSettings
 
 
 def _csv(kind):
@@ -31,6 +31,8 @@ def register_cli(sub) -> None:
     p.add_argument("--nll-prompt-tokens", type=int, default=256)
     p.add_argument("--nll-decode-tokens", type=int, default=128)
     p.add_argument("--nll-windows", type=int, default=16)
+    p.add_argument("--code-subset", type=int, default=64, help="code_nll: first N HumanEval problems")
+    p.add_argument("--code-tokens", type=int, default=128, help="code_nll: solution tokens scored at most")
     p.add_argument("--fidelity-tokens", type=int, default=48)
     p.add_argument("--fidelity-instructions", type=int, default=16, help="chat instructions used (max 16)")
     p.add_argument("--fidelity-humaneval", type=int, default=8, help="HumanEval prompts added")
@@ -52,6 +54,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
     settings = EvalSettings(
         nll=NLLSettings(args.nll_prompt_tokens, args.nll_decode_tokens, args.nll_windows, args.batch_size),
+        code_nll=CodeNLLSettings(args.code_subset, args.code_tokens, args.batch_size),
         fidelity=FidelitySettings(args.fidelity_tokens, args.batch_size),
         humaneval=HumanEvalSettings(args.humaneval_subset, args.humaneval_tokens, args.batch_size),
         fidelity_instructions=args.fidelity_instructions,

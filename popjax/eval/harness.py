@@ -21,9 +21,10 @@ from . import tasks as T
 from .data import INSTRUCTIONS, humaneval_problems
 
 log = logging.getLogger(__name__)
-TASKS = ("nll", "fidelity", "humaneval")
+TASKS = ("nll", "code_nll", "fidelity", "humaneval")
 METRICS = {  # what the table and the ratio plots show, per task
     "nll": ("nll", "ppl"),
+    "code_nll": ("code_nll",),
     "fidelity": ("agreement_prefix", "agreement", "kl"),
     "humaneval": ("pass_at_1",),
 }
@@ -32,6 +33,7 @@ METRICS = {  # what the table and the ratio plots show, per task
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
     nll: T.NLLSettings = T.NLLSettings()
+    code_nll: T.CodeNLLSettings = T.CodeNLLSettings()
     fidelity: T.FidelitySettings = T.FidelitySettings()
     humaneval: T.HumanEvalSettings = T.HumanEvalSettings()
     fidelity_instructions: int = len(INSTRUCTIONS)  # instructions through the chat template
@@ -83,11 +85,14 @@ def evaluate(
         reference = T.dense_reference(model, prompts, settings.fidelity)
     if "humaneval" in task_names:
         problems = humaneval_problems(settings.humaneval.subset)
+    code_problems = humaneval_problems(settings.code_nll.subset) if "code_nll" in task_names else None
     jobs = [(m, t) for m in methods for t in task_names]
     for method, task in tqdm(jobs, desc="eval", unit="run"):
         method = method.prepare(model)  # offline methods calibrate once (cached on disk)
         if task == "nll":
             metrics = T.online_nll(model, method, text, settings.nll)
+        elif task == "code_nll":
+            metrics = T.code_nll(model, method, code_problems, settings.code_nll)
         elif task == "fidelity":
             metrics = T.fidelity(model, method, prompts, reference, settings.fidelity)
         else:

@@ -65,6 +65,36 @@ def online_nll(model: LoadedModel, method: Method, text: str, s: NLLSettings) ->
     }
 
 
+# ------------------------------------------------------------------ code NLL
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeNLLSettings:
+    subset: int | None = 64  # first N HumanEval problems
+    max_tokens: int = 128  # canonical-solution tokens scored (longer ones are cut)
+    batch_size: int = 8
+
+
+def code_nll(model: LoadedModel, method: Method, problems: list[dict], s: CodeNLLSettings) -> dict[str, Any]:
+    """Teacher-forced NLL of HumanEval's canonical solutions given their prompts: the prompt
+    through the method's prefill, the solution's tokens through its decode path (real code,
+    nothing executed). Mean over all scored tokens."""
+    tok = model.tokenizer
+    prompts = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
+    solutions = [tok(p["canonical_solution"], add_special_tokens=False)["input_ids"][: s.max_tokens] for p in problems]
+    order = np.argsort([len(x) for x in solutions])  # similar lengths share a batch
+    total, count = 0.0, 0
+    for idx in _batches(order.tolist(), s.batch_size):
+        width = max(len(solutions[i]) for i in idx)
+        targets = np.zeros((len(idx), width), np.int32)
+        scored = np.zeros_like(targets, bool)
+        for row, i in enumerate(idx):
+            targets[row, : len(solutions[i])], scored[row, : len(solutions[i])] = solutions[i], True
+        nll, _ = teacher_forced(model, method, [prompts[i] for i in idx], targets)
+        total, count = total + float(nll[scored].sum()), count + int(scored.sum())
+    return {"code_nll": total / count, "code_tokens": count, "problems": len(problems)}
+
+
 # ------------------------------------------------------------------ fidelity to dense
 
 
