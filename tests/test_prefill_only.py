@@ -178,6 +178,14 @@ def test_composes_with_pop_and_traces_every_layer(tiny):
     assert plain == ids
 
 
+def test_least_important_layers_from_the_analysis():
+    from popjax.layer_importance import LayerImportance
+
+    result = LayerImportance(np.array([5.0, 0.1, 3.0, 0.2]), np.ones(4), n_samples=1, response_tokens=4,
+                             boundary=True, mean_prompt_tokens=8.0, mean_response_tokens=4.0)
+    assert popjax.PrefillOnly.least_important(result, 2, kv="none") == popjax.PrefillOnly(skip=[1, 3], kv="none")
+
+
 def test_prompts_of_one_bucket_compile_once(tiny):
     model, _ = tiny
     method = popjax.PrefillOnly(skip=[1]) + popjax.Static(ratio=0.3)

@@ -120,6 +120,15 @@ class PrefillOnly(Method):
         if isinstance(self.mlp_method, PrefillOnly):
             raise MethodError("mlp_method cannot itself be PrefillOnly")
 
+    @classmethod
+    def least_important(cls, result, k: int, **options) -> "PrefillOnly":
+        """Skips the ``k`` layers with the least prefill importance in ``result`` (from
+        ``popjax.layer_importance.layer_importance``; run it with ``boundary=True``, as this
+        method runs)."""
+        from ..layer_importance import least_important_prefill_layers
+
+        return cls(skip=least_important_prefill_layers(result, k), **options)
+
     def __add__(self, other: Method) -> "PrefillOnly":
         """``PrefillOnly(...) + POP(...)``: prefill-only layer skipping with POP in every MLP."""
         return dataclasses.replace(self, mlp_method=other)
