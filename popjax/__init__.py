@@ -8,7 +8,7 @@
 from . import engine
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import LoadedModel, convert_source, load
-from . import layer_importance, pruned
+from . import calibration, layer_importance, pruned
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
     Static, WandaSP, make_method,
@@ -25,6 +25,7 @@ __all__ = [
     "ProbePruning",
     "TEAL",
     "WandaSP",
+    "calibration",
     "layer_importance",
     "pruned",
     "DEFAULT_MODEL",

@@ -1,0 +1,96 @@
+"""CATS — contextually-aware thresholding for sparsity (arXiv 2404.08763; SPEC §5).
+
+Per layer l one threshold t[l], calibrated offline on dense activations so that
+``P(|silu(W_g x)| < t) = s`` on the calibration corpus. At a decode step the gate activations
+``g = silu(W_g x)`` are computed on all f channels; channels with ``|g_j| ≤ t`` are zeroed, so a
+sparse kernel skips row j of W_u and column j of W_d:
+
+    y = W_d[:, J] (g[J] ⊙ (W_u[J] x)),   J = {j : |g_j| > t}
+
+Here the zeros are applied as a mask before dense matmuls (no speed claim in XLA);
+``ffn_weights_read`` reports what a kernel would read at the TARGET sparsity, and the decode aux
+the ACTUAL channel density per step and layer.
+
+**Budget** (``ratio`` → sparsity): the gate projection is always read in full, so matching the
+expected weights read of a structured method keeping n_keep channels,
+``d·f + 2·d·f·(1 − s) = 3·d·n_keep``, needs ``s = 3(f − n_keep) / (2f) = 1.5·(1 − n_keep/f)``.
+That is possible only while s < 1 (n_keep > f/3); a larger ratio is an error, not a clamp.
+``ffn_sparsity=s`` gives the paper's channel sparsity directly (and then reads more weights).
+
+**Batches**, **prefill** and **calibration**: as TEAL (`popjax.methods.teal`): ``aggregate``
+"max"/"mean" aggregate |g| over the batch's valid rows and threshold once per batch
+(per-token at batch 1), "per_token" masks every row alone; the prompt runs dense.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..models.config import ModelConfig
+from .base import MethodError, Plan, activations, down_proj, kept_channels
+from .bwap import with_down_bias
+from .teal import ThresholdMethod, layer_threshold, threshold_keep
+
+
+@dataclasses.dataclass(frozen=True)
+class CATSPlan(Plan):
+    name: ClassVar[str] = "cats"
+    sparsity: float = 0.0  # target fraction of channels zeroed
+    aggregate: str = "max"
+    thresholds: tuple[float, ...] = ()
+
+    def prefill(self, w, x, valid):
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
+
+    def decode(self, w, state, x, step, valid):
+        gu = jnp.einsum("btd,nd->btn", x, w["gate_up"])
+        f = w["gate_up"].shape[0] // 2  # this layer's width
+        gate, up = jax.nn.silu(gu[..., :f]), gu[..., f:]
+        keep, density = threshold_keep(gate, valid, layer_threshold(self.thresholds, w["layer"]), self.aggregate)
+        y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))
+        return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}
+
+    def ffn_weights_read(self, d: int) -> int:
+        """At the target sparsity: all of W_g, the kept rows of W_u and columns of W_d."""
+        return round(d * self.f * (1.0 + 2.0 * (1.0 - self.sparsity)))
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return 2 * self.ffn_weights_read(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class CATS(ThresholdMethod):
+    """``CATS(ratio=0.2, aggregate="max")`` or ``CATS(ffn_sparsity=0.5)``; thresholds from
+    ``.calibrate(model)`` (see the module docstring)."""
+
+    name: ClassVar[str] = "cats"
+
+    def sparsity(self, cfg: ModelConfig) -> float:
+        if self.ratio is None:
+            return float(self.ffn_sparsity)
+        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
+        s = 3.0 * (f - n_keep) / (2.0 * f)
+        if s >= 1.0:
+            raise MethodError(
+                f"CATS: ratio={self.ratio} keeps n_keep={n_keep} of f={f} channels; CATS reads all of W_g, so it "
+                f"can match that budget only while n_keep > f/3 (a smaller ratio), or give ffn_sparsity= instead"
+            )
+        return s
+
+    def targets(self, cfg):
+        return {"gate": ("gate", self.sparsity(cfg))}
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        from .dense import DensePlan
+
+        f, s = cfg.intermediate_size, self.sparsity(cfg)
+        if s == 0.0:
+            return DensePlan(f=f, n_keep=f)
+        return CATSPlan(
+            f=f, n_keep=round(f * (1.0 + 2.0 * (1.0 - s)) / 3.0), sparsity=s, aggregate=self.aggregate,
+            thresholds=self._thresholds_for(cfg)["gate"],
+        )

@@ -1,0 +1,228 @@
+"""TEAL — training-free magnitude activation sparsity (arXiv 2408.14690; SPEC §5), and the
+threshold machinery it shares with CATS.
+
+Per layer l two thresholds, calibrated offline on dense activations so that
+``P(|v| < t) = s`` on the calibration corpus:
+
+    x  (the MLP input, i.e. the gate/up input)   t_x[l]: zero x_i where |x_i| ≤ t_x
+    H  (the down input)                          t_h[l]: zero H_j where |H_j| ≤ t_h
+
+A sparse kernel then skips the gate/up columns of the zeroed x_i and the down columns of the
+zeroed H_j. Here the zeros are applied as masks before dense matmuls (XLA has no sparse GEMV),
+so there is no speed claim; ``ffn_weights_read`` reports what such a kernel would read at the
+TARGET sparsity, and the decode aux reports the ACTUAL densities of each step and layer.
+
+**Budget** (``ratio`` → sparsity): TEAL's uniform sparsity on both tensors is
+``s = 1 − n_keep/f``, so the expected weights read, ``d·f·(2(1 − s) + (1 − s)) = 3·d·n_keep``,
+equal those of a structured method keeping n_keep channels. ``ffn_sparsity=s`` gives the
+paper's sparsity directly.
+
+**Batches** (``aggregate``): "max" (default) and "mean" are the batched rule of the BWAP paper —
+aggregate |·| over the batch's valid rows, then threshold, one mask per batch (at batch 1 this
+is TEAL's own per-token rule); "per_token" gives every row its own mask.
+
+**Prefill is dense**: TEAL's generation kernels act on decode only (its accuracy code's partial
+prompt sparsification is an evaluation device); BWAP treats the prompt as dense too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
+from ..models.config import ModelConfig
+from .base import Method, MethodError, Plan, activations, down_proj, kept_channels
+from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+
+THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """Per-layer thresholds of a calibrated threshold method (hashable: they become plan fields).
+
+    ``per_tensor`` = ((tensor name, (t_0, ..., t_{L−1})), ...); ``sparsity`` = (tensor name,
+    target) pairs they were calibrated for; ``source`` names the model and corpus."""
+
+    sparsity: tuple[tuple[str, float], ...]
+    per_tensor: tuple[tuple[str, tuple[float, ...]], ...]
+    source: str = ""
+
+    def get(self, tensor: str) -> tuple[float, ...]:
+        return dict(self.per_tensor)[tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsHistograms(Statistic):
+    """The calibration statistic of TEAL and CATS (one pass serves both): histograms of |x|
+    (MLP input), |H| (down input) and |silu(W_g x)| per layer, over valid tokens."""
+
+    name: ClassVar[str] = "mlp_abs_histograms"
+    version: ClassVar[int] = 1
+
+    def collect(self, w, x, valid, h):
+        f = w["gate_up"].shape[0] // 2
+        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][:f]))
+        return {"x": log_histogram(x, valid), "h": log_histogram(h, valid), "gate": log_histogram(gate, valid)}
+
+
+def calibrate_thresholds(model, targets: dict[str, tuple[str, float]], corpus=None, **calibrate_kwargs) -> Thresholds:
+    """targets = {tensor name: (histogram name, sparsity)} -> per-layer quantile thresholds.
+    ``corpus``: a `Corpus`, a UTF-8 text file path, or None (the default Shakespeare corpus)."""
+    if corpus is None:
+        corpus = default_corpus(model)
+    elif isinstance(corpus, (str, Path)):
+        corpus = text_file_corpus(corpus, model.tokenizer)
+    elif not isinstance(corpus, Corpus):
+        raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+    hist = calibrate(model, AbsHistograms(), corpus, **calibrate_kwargs)
+    per_tensor = tuple(
+        (tensor, tuple(histogram_quantile(c, s) for c in np.asarray(hist[stat]))) for tensor, (stat, s) in targets.items()
+    )
+    sparsity = tuple((tensor, s) for tensor, (_, s) in targets.items())
+    return Thresholds(sparsity, per_tensor, f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)")
+
+
+def layer_threshold(thresholds: tuple[float, ...], layer: jax.Array) -> jax.Array:
+    """This layer's threshold, picked inside jit by the layer index ``w["layer"]``."""
+    return jnp.asarray(thresholds, jnp.float32)[layer]
+
+
+def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str) -> tuple[jax.Array, jax.Array]:
+    """Which entries of v [B, 1, n] survive the threshold, and the actual density.
+
+    per_token: keep |v[b, i]| > t per row; density = kept fraction over valid rows.
+    max / mean: a = max / mean over valid rows of |v| -> [n]; keep a > t for every row; density =
+    kept fraction of the shared mask. -> (keep broadcastable to v, density fp32 scalar)."""
+    a = jnp.abs(v.astype(jnp.float32))
+    rows = valid[..., None]
+    if aggregate == "per_token":
+        keep = a > t
+        n_valid = jnp.sum(valid)
+        density = jnp.sum(jnp.where(rows, keep, False)) / jnp.maximum(n_valid * v.shape[-1], 1)
+        return keep, density.astype(jnp.float32)
+    masked = jnp.where(rows, a, 0.0)
+    if aggregate == "max":
+        agg = jnp.max(masked, axis=(0, 1))
+    else:
+        agg = jnp.sum(masked, axis=(0, 1)) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    keep = agg > t
+    return keep, jnp.mean(keep.astype(jnp.float32))
+
+
+def check_threshold_aggregate(method: str, aggregate: str) -> None:
+    if aggregate not in THRESHOLD_AGGREGATES:
+        raise MethodError(f"{method}: aggregate={aggregate!r} is not one of {THRESHOLD_AGGREGATES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdMethod(Method):
+    """Base of TEAL and CATS: a budget (``ratio`` or ``ffn_sparsity``), the batch rule and the
+    calibrated `Thresholds` (None until `calibrate`; ``bind`` needs them)."""
+
+    ratio: float | None = None
+    _: dataclasses.KW_ONLY
+    ffn_sparsity: float | None = None
+    aggregate: str = "max"
+    thresholds: Thresholds | None = None
+
+    def __post_init__(self):
+        check_ratio_or_sparsity(type(self).__name__, self.ratio, self.ffn_sparsity)
+        if self.ratio is None and self.ffn_sparsity is None:
+            object.__setattr__(self, "ratio", DEFAULT_RATIO)
+        check_threshold_aggregate(type(self).__name__, self.aggregate)
+        if self.thresholds is not None and not isinstance(self.thresholds, Thresholds):
+            raise MethodError(f"{type(self).__name__}: thresholds={self.thresholds!r} is not a Thresholds (use calibrate)")
+
+    def targets(self, cfg: ModelConfig) -> dict[str, tuple[str, float]]:
+        """{tensor: (histogram, sparsity)} for this budget."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def calibrate(self, model, corpus=None, **calibrate_kwargs: Any) -> "ThresholdMethod":
+        """A copy with thresholds calibrated on ``corpus`` (default: the Shakespeare corpus),
+        cached on disk by `popjax.calibration.calibrate`."""
+        thresholds = calibrate_thresholds(model, self.targets(model.config), corpus, **calibrate_kwargs)
+        return dataclasses.replace(self, thresholds=thresholds)
+
+    def prepare(self, model) -> "ThresholdMethod":
+        """Ready for ``model``: itself when calibrated (or dense), else `calibrate` (cached)."""
+        if self.thresholds is not None or all(s == 0.0 for _, s in self.targets(model.config).values()):
+            return self
+        return self.calibrate(model)
+
+    def _thresholds_for(self, cfg: ModelConfig) -> dict[str, tuple[float, ...]]:
+        name = type(self).__name__
+        if self.thresholds is None:
+            raise MethodError(f"{name} has no thresholds: use {name}(...).calibrate(model) (or .prepare(model)) first")
+        want = {tensor: s for tensor, (_, s) in self.targets(cfg).items()}
+        have = dict(self.thresholds.sparsity)
+        if set(want) != set(have) or any(abs(want[t] - have[t]) > 1e-12 for t in want):
+            raise MethodError(f"{name}: thresholds were calibrated for sparsity {have}, this budget needs {want}; calibrate again")
+        out = {tensor: self.thresholds.get(tensor) for tensor in want}
+        for tensor, values in out.items():
+            if len(values) != cfg.num_hidden_layers:
+                raise MethodError(
+                    f"{name}: {len(values)} thresholds for {tensor!r}, the model has {cfg.num_hidden_layers} layers"
+                )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TEALPlan(Plan):
+    name: ClassVar[str] = "teal"
+    sparsity: float = 0.0  # target on both tensors
+    aggregate: str = "max"
+    thresholds_x: tuple[float, ...] = ()
+    thresholds_h: tuple[float, ...] = ()
+
+    def prefill(self, w, x, valid):
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
+
+    def decode(self, w, state, x, step, valid):
+        keep_x, dens_x = threshold_keep(x, valid, layer_threshold(self.thresholds_x, w["layer"]), self.aggregate)
+        h = activations(w["gate_up"], jnp.where(keep_x, x, 0))
+        keep_h, dens_h = threshold_keep(h, valid, layer_threshold(self.thresholds_h, w["layer"]), self.aggregate)
+        y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
+        return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}
+
+    def ffn_weights_read(self, d: int) -> int:
+        """At the target sparsity: gate/up columns of kept x entries, down columns of kept H."""
+        return round(3 * d * self.f * (1.0 - self.sparsity))
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return 2 * self.ffn_weights_read(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class TEAL(ThresholdMethod):
+    """``TEAL(ratio=0.2, aggregate="max")`` or ``TEAL(ffn_sparsity=0.5)``; thresholds from
+    ``.calibrate(model)`` (see the module docstring)."""
+
+    name: ClassVar[str] = "teal"
+
+    def sparsity(self, cfg: ModelConfig) -> float:
+        if self.ratio is None:
+            return float(self.ffn_sparsity)
+        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
+
+    def targets(self, cfg):
+        s = self.sparsity(cfg)
+        return {"x": ("x", s), "h": ("h", s)}
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        from .dense import DensePlan
+
+        f, s = cfg.intermediate_size, self.sparsity(cfg)
+        if s == 0.0:
+            return DensePlan(f=f, n_keep=f)
+        t = self._thresholds_for(cfg)
+        return TEALPlan(
+            f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate,
+            thresholds_x=t["x"], thresholds_h=t["h"],
+        )
