@@ -8,7 +8,8 @@ from typing import Any
 from .base import Method, MethodError, Plan, ffn_ratio, kept_channels
 from .bwap import BWAP, BWAPPlan
 from .cats import CATS, CATSPlan
-from .dense import Dense, DensePlan
+from .base import DensePlan
+from .dense import Dense
 from .dynamic import Dynamic, DynamicPlan
 from .flap import FLAP
 from .griffin import GRIFFIN, GRIFFINPlan

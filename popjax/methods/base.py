@@ -211,6 +211,30 @@ class Plan:
         return False
 
 
+def dense_mlp(w, x):
+    """The full MLP, plus the down bias of a FLAP-pruned checkpoint when it has one."""
+    y = down_proj(activations(w["gate_up"], x), w["down"])
+    return y if w.get("down_bias") is None else y + w["down_bias"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePlan(Plan):
+    name: ClassVar[str] = "dense"
+
+    def prefill(self, w, x, valid):
+        """x [B, T, d] -> (y [B, T, d], no state, no aux)."""
+        return dense_mlp(w, x), None, {}
+
+    def decode(self, w, state, x, step, valid):
+        return dense_mlp(w, x), state, {}
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return 6 * d * self.f
+
+    def ffn_weights_read(self, d: int) -> int:
+        return 3 * d * self.f
+
+
 @dataclasses.dataclass(frozen=True)
 class AggregatedPlan(Plan):
     """A plan written for the shared mode (statistics over the whole batch) in ``_prefill`` and
@@ -276,8 +300,6 @@ class RatioMethod(Method):
         return {}
 
     def bind(self, cfg: ModelConfig) -> Plan:
-        from .dense import DensePlan  # dense.py imports this module
-
         f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
         if n_keep == f:
             return DensePlan(f=f, n_keep=f)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, take_channels, take_gate_up
+from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, take_channels, take_gate_up
 
 BATCH_AGGREGATES = ("max", "mean")
 SCHEDULES = ("periodic", "every_step")
@@ -257,8 +257,6 @@ class BWAP(Method):
             raise MethodError(f"BWAP: memory={self.memory!r} must be True or False")
 
     def bind(self, cfg: ModelConfig) -> Plan:
-        from .dense import DensePlan
-
         f = cfg.intermediate_size
         if self.ratio is not None:
             k = kept_channels(cfg, self.ratio)

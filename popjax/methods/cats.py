@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import MethodError, Plan, activations, down_proj, kept_channels
+from .base import DensePlan, MethodError, Plan, activations, down_proj, kept_channels
 from .bwap import with_down_bias
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
@@ -85,8 +85,6 @@ class CATS(ThresholdMethod):
         return {"gate": ("gate", self.sparsity(cfg))}
 
     def bind(self, cfg: ModelConfig) -> Plan:
-        from .dense import DensePlan
-
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)

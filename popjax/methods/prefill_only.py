@@ -32,8 +32,8 @@ import dataclasses
 from typing import ClassVar
 
 from ..models.config import ModelConfig
-from .base import Method, MethodError, Plan
-from .dense import Dense, DensePlan
+from .base import DensePlan, Method, MethodError, Plan
+from .dense import Dense
 
 KV_MODES = ("independent", "calibrated", "none")
 

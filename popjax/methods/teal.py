@@ -37,7 +37,7 @@ import numpy as np
 
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
 from ..models.config import ModelConfig
-from .base import Method, MethodError, Plan, activations, down_proj, kept_channels
+from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, kept_channels
 from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
 
 THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
@@ -216,8 +216,6 @@ class TEAL(ThresholdMethod):
         return {"x": ("x", s), "h": ("h", s)}
 
     def bind(self, cfg: ModelConfig) -> Plan:
-        from .dense import DensePlan
-
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)

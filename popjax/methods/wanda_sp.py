@@ -34,7 +34,7 @@ import numpy as np
 
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
 from ..models.config import ModelConfig
-from .base import Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
+from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
 from .base import rank_channels, take_channels, take_gate_up
 
 
@@ -160,8 +160,6 @@ class CalibratedPruning(Method):
         return self.calibrate(model)
 
     def bind(self, cfg: ModelConfig) -> Plan:
-        from .dense import DensePlan
-
         check_uniform_ffn(cfg, self.name)
         f, n_keep = cfg.intermediate_size, self.n_keep(cfg)
         if n_keep == f:
