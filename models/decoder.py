@@ -93,9 +93,10 @@ class Transformer(nnx.Module):
 
         Layer-level methods (SPEC §4, §6) steer the loop without the model naming them:
         ``layer_modes[i]`` is "full" (default), "kv" (the layer only writes keys/values projected
-        from its input and passes the residual stream through) or "none" (passes it through and
-        writes zero keys/values); layers in ``prefix_masked_layers`` ignore cache slots before
-        ``prefix_end`` (the slots such a "none" layer never wrote).
+        from its input and passes the residual stream through), "kv_calibrated" (the same with the
+        layer's calibrated projection ``attn.prefill_kv``, popjax.kv_calibration) or "none" (passes
+        it through and writes zero keys/values); layers in ``prefix_masked_layers`` ignore cache
+        slots before ``prefix_end`` (the slots such a "none" layer never wrote).
         """
         x = self.embed[...][tokens]
         cos, sin = rope_cos_sin(self.cfg, positions)
@@ -104,7 +105,7 @@ class Transformer(nnx.Module):
             cache = None if caches is None else caches[i]
             mode = "full" if layer_modes is None else layer_modes[i]
             if mode != "full":
-                new_caches.append(_bypass_cache(layer, x, cos, sin, mode))
+                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, i, layer_modes))
                 new_states.append(None)
                 auxes.append({})
                 continue
@@ -124,14 +125,36 @@ class Transformer(nnx.Module):
         return self.logits(x), new_caches, new_states, auxes
 
 
-def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str) -> KVCache:
-    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer)."""
+LAYER_MODES = ("full", "kv", "kv_calibrated", "none")
+
+
+def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, index: int = 0, layer_modes=()) -> KVCache:
+    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer).
+
+    "kv_calibrated" needs the layer's ``attn.prefill_kv`` [2·kv_dim, d] and checks that it was
+    fitted for this very set of bypassed layers (``attn.prefill_kv_skip``, static): calibrated
+    projections map the input of *this* skip set's stream, so another set's are wrong."""
     if mode == "kv":
         return layer.attn.project_kv(layer.attn_norm(x), cos, sin)
+    if mode == "kv_calibrated":
+        attn = layer.attn
+        skipped = tuple(i for i, m in enumerate(layer_modes) if m != "full")
+        if not hasattr(attn, "prefill_kv"):
+            raise ValueError(
+                f"layer {index} is skipped with kv='calibrated' but the model has no calibrated KV projection "
+                "for it; use popjax.kv_calibration.with_prefill_kv(model, calibrate_kv(model, skip=...))"
+            )
+        if attn.prefill_kv_skip != skipped:
+            raise ValueError(
+                f"layer {index}'s calibrated KV projection was fitted for skipped layers {list(attn.prefill_kv_skip)}, "
+                f"but this plan skips {list(skipped)}; calibrate for this skip set (calibrate_kv(model, skip=...))"
+            )
+        bias = attn.prefill_kv_bias[...] if hasattr(attn, "prefill_kv_bias") else None
+        return attn.project_kv(layer.attn_norm(x), cos, sin, weights=attn.prefill_kv[...], bias=bias)
     if mode == "none":
         shape = (*x.shape[:2], layer.attn.cfg.num_key_value_heads, layer.attn.cfg.head_dim)
         return KVCache(jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
-    raise ValueError(f"layer mode {mode!r} is not one of ('full', 'kv', 'none')")
+    raise ValueError(f"layer mode {mode!r} is not one of {LAYER_MODES}")
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Transformer:

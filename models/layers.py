@@ -78,14 +78,19 @@ class Attention(nnx.Module):
         shape = (*x.shape[:2], -1, cfg.head_dim)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def project_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> KVCache:
+    def project_kv(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, weights: jax.Array | None = None, bias: jax.Array | None = None
+    ) -> KVCache:
         """Keys and values alone (RoPE'd keys), x [B, T, d] -> KVCache [B, T, n_kv, h]: what a
-        layer skipped in prefill still writes (Prefill-Only Pruning's independent KV projection)."""
+        layer skipped in prefill still writes (Prefill-Only Pruning's independent KV projection).
+
+        ``weights`` [2·kv_dim, d] (k rows, then v rows) replace the k/v rows of ``qkv`` and
+        ``bias`` [2·kv_dim] those of ``qkv_bias`` (calibrated projections, popjax.kv_calibration)."""
         cfg = self.cfg
-        w = self.qkv[...][cfg.q_dim :]
+        w = self.qkv[...][cfg.q_dim :] if weights is None else weights
         kv = linear(x, w)
         if cfg.qkv_bias:
-            kv = kv + self.qkv_bias[...][cfg.q_dim :]
+            kv = kv + (self.qkv_bias[...][cfg.q_dim :] if bias is None else bias)
         k, v = jnp.split(kv, 2, axis=-1)
         shape = (*x.shape[:2], -1, cfg.head_dim)
         k, v = k.reshape(shape), v.reshape(shape)

@@ -38,7 +38,7 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=float, default=None, help="POP candidate band width (default 0.1)")
     parser.add_argument("--aggregate", default=None, help="shared (default) or per_sequence")
     parser.add_argument("--skip", type=parse_skip, default=None, help="prefill-only: layers skipped in prefill (default last third)")
-    parser.add_argument("--kv", default=None, help="prefill-only: independent (default) or none")
+    parser.add_argument("--kv", default=None, help="prefill-only: independent (default), calibrated or none")
     parser.add_argument("--no-boundary", dest="boundary", action="store_false", default=None,
                         help="prefill-only: prefill the last prompt token too")
 
@@ -57,6 +57,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
     method = method_from_args(args)  # validate before the (slow) load
     model = popjax.load(args.model, dtype=args.dtype)
+    if getattr(method, "kv", None) == "calibrated":  # fitted once per model and skip set, cached
+        from .kv_calibration import calibrate_kv, with_prefill_kv
+
+        model = with_prefill_kv(model, calibrate_kv(model, method.skip))
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -115,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands defined beside their implementation (bench, eval)."""
-    from . import bench, layer_importance
+    from . import bench, kv_drift, layer_importance
     from .eval import cli as eval_cli
     from .eval import lm_eval_adapter
 
-    return [bench.register_cli, eval_cli.register_cli, lm_eval_adapter.register_cli, layer_importance.register_cli]
+    return [bench.register_cli, eval_cli.register_cli, lm_eval_adapter.register_cli, layer_importance.register_cli, kv_drift.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,272 @@
+"""How far the skipped layers' prefill drifts from the full model (Prefill-Only Pruning's appendix
+A quantities), before and after KV calibration; the ``kv-drift`` and ``calibrate-kv`` commands.
+
+For each skipped layer l, on windows of T tokens split at ``prefix`` P (tokens 0..P−1 are the
+prefilled prompt, P..T−1 the later, decode-time tokens), the mean cosine similarity between
+prefill-only and the full model of:
+
+* ``hidden``: l's input residual stream (x_skip vs x_full_l) on the prompt tokens;
+* ``k``, ``v``: the keys (RoPE'd) and values the layer writes for the prompt tokens
+  (``norm_l(x_skip) W`` vs ``norm_l(x_full_l) W``), all heads as one vector per token;
+* ``attn``: the attention output (after ``o``) of the later tokens' queries — the full model's
+  queries, keys and values for the later tokens, the prompt's keys/values either prefill-only's
+  or the full model's.
+
+With a calibration, ``k_cal``, ``v_cal``, ``attn_cal`` use its projections ``W'`` instead.
+Default prompts: windows of the dev play (``popjax.eval.data.DEV_PLAY``), which the calibration
+corpus excludes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .kv_calibration import KVCalibration, window_batches, calibration_corpus, layer_streams, resolve_skip, without_prefill_kv
+from .kv_training import full_qkv, later_query_output
+
+QUANTITIES = ("hidden", "k", "v", "attn")
+
+
+def _cos(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Per-token cosine of [B, T, ...] arrays (flattened beyond T) -> [B, T] fp32."""
+    a = a.reshape(*a.shape[:2], -1).astype(jnp.float32)
+    b = b.reshape(*b.shape[:2], -1).astype(jnp.float32)
+    dot = jnp.sum(a * b, axis=-1)
+    return dot / jnp.maximum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1), 1e-30)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "skip", "prefix"))
+def _drift_sums(graphdef, params, tokens, valid, skip, prefix, weights, biases):
+    """Sums over valid tokens of each quantity's cosine, per skipped layer -> {name: [n]}, counts.
+    ``weights`` [n, 2·kv_dim, d] (biases [n, 2·kv_dim]) are a calibration's, or None."""
+    model = nnx.merge(graphdef, params)
+    xs, xf, cos, sin = layer_streams(model, tokens, valid, skip)
+    early, late = valid[:, :prefix].astype(jnp.float32), valid[:, prefix:].astype(jnp.float32)
+    pc, ps = cos[:, :prefix], sin[:, :prefix]
+    sums: dict[str, list] = {}
+    add = lambda name, c, m: sums.setdefault(name, []).append(jnp.sum(c * m))
+    for i, (l, s, f) in enumerate(zip(skip, xs, xf)):
+        layer = model.layers[l]
+        q, k, v = full_qkv(layer.attn, layer.attn_norm(f), cos, sin)
+        target = later_query_output(layer.attn, q[:, prefix:], k, v, valid)
+        zs = layer.attn_norm(s)[:, :prefix]
+        variants = {"": {}}
+        if weights is not None:
+            variants["_cal"] = {"weights": weights[i], "bias": None if biases is None else biases[i]}
+        add("hidden", _cos(s[:, :prefix], f[:, :prefix]), early)
+        for suffix, options in variants.items():
+            kv = layer.attn.project_kv(zs, pc, ps, **options)
+            add("k" + suffix, _cos(kv.k, k[:, :prefix]), early)
+            add("v" + suffix, _cos(kv.v, v[:, :prefix]), early)
+            keys = jnp.concatenate([kv.k, k[:, prefix:]], axis=1)
+            values = jnp.concatenate([kv.v, v[:, prefix:]], axis=1)
+            add("attn" + suffix, _cos(later_query_output(layer.attn, q[:, prefix:], keys, values, valid), target), late)
+    return {name: jnp.stack(vals) for name, vals in sums.items()}, jnp.sum(early), jnp.sum(late)
+
+
+def drift_windows(model, windows: int = 8, window: int = 256) -> np.ndarray:
+    """``windows`` windows of ``window`` tokens at evenly spaced offsets of the dev play."""
+    from .eval.data import DEV_PLAY, load_play
+
+    ids = model.tokenizer(load_play(DEV_PLAY), add_special_tokens=False)["input_ids"]
+    starts = np.linspace(0, len(ids) - window, windows).astype(int)
+    return np.array([ids[a : a + window] for a in starts], np.int32)
+
+
+def kv_drift(model, skip, prompts=None, calibration: KVCalibration | None = None, *, windows: int = 8,
+             window: int = 256, prefix: int | None = None, batch_size: int = 8) -> dict[str, Any]:
+    """The drift report for one skip set -> {"skip", "tokens", "later_tokens", and per quantity a
+    list over the skipped layers of mean cosines}: see the module docstring.
+
+    Args:
+      prompts: a `Corpus`, texts or token-id lists (cut into windows), or None = dev-play windows.
+      calibration: also report ``k_cal``, ``v_cal``, ``attn_cal`` (must be for this skip set).
+      prefix: prompt part of each window (default window // 2).
+    """
+    from .calibration import Corpus
+
+    model = without_prefill_kv(model)
+    skip = resolve_skip(skip, model.config.num_hidden_layers)
+    corpus = (Corpus("dev", drift_windows(model, windows, window)) if prompts is None
+              else calibration_corpus(model, prompts, None, window))
+    prefix = corpus.window // 2 if prefix is None else prefix
+    if not 1 <= prefix < corpus.window:
+        raise ValueError(f"prefix={prefix} is invalid for windows of {corpus.window} tokens; use 1 ≤ prefix < {corpus.window}")
+    weights = biases = None
+    if calibration is not None:
+        if tuple(calibration.skip) != skip:
+            raise ValueError(f"the calibration is for skipped layers {list(calibration.skip)}, not {list(skip)}")
+        weights = jnp.stack([jnp.asarray(calibration.weights[l]) for l in skip])
+        if calibration.biases:
+            biases = jnp.stack([jnp.asarray(calibration.biases[l]) for l in skip])
+    totals, n_early, n_late = None, 0.0, 0.0
+    for tokens, valid in window_batches(corpus, batch_size):
+        sums, early, late = _drift_sums(model.graphdef, model.params, tokens, valid, skip, prefix, weights, biases)
+        sums = {k: np.asarray(v, np.float64) for k, v in jax.device_get(sums).items()}
+        totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+        n_early, n_late = n_early + float(early), n_late + float(late)
+    report = {"skip": list(skip), "tokens": int(n_early), "later_tokens": int(n_late), "prefix": prefix, "window": corpus.window}
+    for name, total in totals.items():
+        report[name] = (total / (n_late if name.startswith("attn") else n_early)).tolist()
+    return report
+
+
+def format_drift(report: dict[str, Any]) -> str:
+    """A table: one row per skipped layer, one column per quantity (calibrated as ``k'``)."""
+    names = [n for n in ("hidden", "k", "v", "attn", "k_cal", "v_cal", "attn_cal") if n in report]
+    header = "layer " + " ".join(f"{n.replace('_cal', chr(39)):>8}" for n in names)
+    rows = [header] + [
+        f"{l:>5} " + " ".join(f"{report[n][i]:8.4f}" for n in names) for i, l in enumerate(report["skip"])
+    ]
+    return "\n".join(rows)
+
+
+def plot_drift(reports: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
+    """One panel per skip set: each quantity's cosine by layer; dashed = calibrated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
+    colors = dict(zip(QUANTITIES, ("tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    for ax, report in zip(axes[0], reports):
+        for name in QUANTITIES:
+            ax.plot(report["skip"], report[name], "o-", color=colors[name], label=name)
+            if name + "_cal" in report:
+                ax.plot(report["skip"], report[name + "_cal"], "s--", color=colors[name], label=f"{name} (calibrated)")
+        ax.set_title(f"{len(report['skip'])} layers skipped ({report['skip'][0]}–{report['skip'][-1]})")
+        ax.set_xlabel("skipped layer")
+        ax.set_ylabel("cosine similarity to the full model")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def _calibration_options(args) -> dict[str, Any]:
+    options = {"ridge": args.ridge, "method": args.method, "tokens": args.tokens}
+    if args.method == "optax":
+        options.update(steps=args.steps, learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+    return options
+
+
+def _cmd_calibrate_kv(args: argparse.Namespace) -> None:
+    import popjax
+
+    from .kv_calibration import calibrate_kv
+    from .kv_store import save_kv_calibration
+
+    model = popjax.load(args.model)
+    cal = calibrate_kv(model, args.skip, **_calibration_options(args))
+    print(f"calibrated layers {list(cal.skip)} ({cal.key['method']}, {cal.fit['tokens']} tokens)")
+    if "layers" in cal.fit:
+        print("layer  K err before → after   V err before → after  (relative squared error)")
+        for l, f in cal.fit["layers"].items():
+            print(f"{l:>5}  {f['k_err_before']:.4f} → {f['k_err_after']:.4f}        {f['v_err_before']:.4f} → {f['v_err_after']:.4f}")
+    else:
+        print(f"later-query attention loss {cal.fit['loss_before']:.4f} → {cal.fit['loss_after']:.4f}")
+    if args.save:
+        print(f"saved to {save_kv_calibration(cal, args.save)}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"model": args.model, "skip": list(cal.skip), "key": cal.key, "fit": cal.fit}, indent=1))
+
+
+def _cmd_kv_drift(args: argparse.Namespace) -> None:
+    import popjax
+
+    from .kv_calibration import calibrate_kv
+
+    model = popjax.load(args.model)
+    skips = args.skip or [None, 0.5]  # None: PrefillOnly's default, the last ⌊L/3⌋ layers
+    reports, nll = [], {}
+    for skip in skips:
+        cal = None if args.method == "none" else calibrate_kv(model, skip, **_calibration_options(args))
+        report = kv_drift(model, skip, calibration=cal, windows=args.windows, window=args.window)
+        report["skip_arg"] = skip
+        if cal is not None:
+            report["fit"] = cal.fit
+        reports.append(report)
+        print(f"\nskip={'last third' if skip is None else skip}: {len(report['skip'])} layers, {report['tokens']} prompt / {report['later_tokens']} later tokens")
+        print(format_drift(report))
+        if args.nll_windows:
+            nll[str(skip)] = _nll(model, skip, cal, args.nll_windows, nll.get("dense"))
+            nll.setdefault("dense", nll[str(skip)]["dense"])
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"model": args.model, "calibration": _calibration_options(args),
+                                               "drift": reports, "nll": nll}, indent=1))
+    if args.plot:
+        plot_drift(reports, args.plot, f"{args.model}: prefill-only KV drift ({args.method})")
+
+
+def _nll(model, skip, cal, windows: int, dense: float | None) -> dict[str, float]:
+    """Online NLL on the held-out play: dense, independent KV projection, calibrated."""
+    import popjax
+
+    from .eval.data import HELD_OUT_PLAY, load_play
+    from .eval.tasks import NLLSettings, online_nll
+    from .kv_calibration import with_prefill_kv
+
+    text, s = load_play(HELD_OUT_PLAY), NLLSettings(windows=windows)
+    out = {"dense": dense if dense is not None else online_nll(model, popjax.Dense(), text, s)["nll"]}
+    out["independent"] = online_nll(model, popjax.PrefillOnly(skip=skip), text, s)["nll"]
+    if cal is not None:
+        calibrated = with_prefill_kv(model, cal)
+        out["calibrated"] = online_nll(calibrated, popjax.PrefillOnly(skip=skip, kv="calibrated"), text, s)["nll"]
+        gap = out["independent"] - out["dense"]
+        out["gap_recovered"] = (out["independent"] - out["calibrated"]) / gap if gap > 0 else float("nan")
+    print("online NLL (held-out play, %d windows): %s" % (windows, ", ".join(f"{k} {v:.4f}" for k, v in out.items())))
+    return out
+
+
+def register_cli(sub) -> None:
+    from .cli import parse_skip
+    from .convert.default_model import DEFAULT_MODEL
+    from .kv_calibration import DEFAULT_RIDGE, METHODS
+    from .kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
+
+    def common(p, methods):
+        p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+        p.add_argument("--method", default="closed_form", choices=methods, help="calibration method (default closed_form)")
+        p.add_argument("--ridge", type=float, default=DEFAULT_RIDGE, help="closed-form ridge λ ≥ 0, relative to tr(ZᵀZ)/d")
+        p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 16384; optax 4096)")
+        p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optax: AdamW steps")
+        p.add_argument("--learning-rate", type=float, default=DEFAULT_LR, help="optax: learning rate")
+        p.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY, help="optax: decay toward the original W")
+
+    p = sub.add_parser("calibrate-kv", help="fit prefill-only KV projections for skipped layers (cached)")
+    common(p, METHODS)
+    p.add_argument("--skip", type=parse_skip, default=None, help="skipped layers (default last third)")
+    p.add_argument("--save", default=None, help="also save the calibration into this new directory")
+    p.add_argument("--json", default=None, help="write what it was fitted for and the fit diagnostics here")
+    p.set_defaults(run=_cmd_calibrate_kv)
+
+    p = sub.add_parser("kv-drift", help="cosine drift of skipped layers' K/V vs the full model, before/after calibration")
+    common(p, (*METHODS, "none"))
+    p.add_argument("--skip", type=parse_skip, action="append", default=None, help="a skip set (repeatable; default the last third and 0.5)")
+    p.add_argument("--windows", type=int, default=8, help="dev-play windows for the drift (default 8)")
+    p.add_argument("--window", type=int, default=256, help="tokens per window; the first half is the prompt")
+    p.add_argument("--nll-windows", type=int, default=0, help="also measure online NLL on the held-out play with this many windows")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    p.set_defaults(run=_cmd_kv_drift)
+
+
+__all__ = ["QUANTITIES", "drift_windows", "format_drift", "kv_drift", "plot_drift", "register_cli"]
