@@ -4,17 +4,16 @@ dot shape (per decode step). Usage: python tools/profile_decode.py [POP_RATIO]
 import time, glob, collections, numpy as np, jax, jax.numpy as jnp, popjax
 from popjax import engine
 from flax import nnx
+from popjax.generation import GenerationRequest
 m = popjax.load(); cfg = m.config
-tokens = jnp.ones((1,32), jnp.int32); mask = jnp.ones((1,32), jnp.int32)
 import sys
 meth = popjax.Dense() if len(sys.argv) < 2 else popjax.POP(float(sys.argv[1]))
-plan = meth.bind(cfg)
-logits, pcaches, states, _ = engine.prefill(m.graphdef, m.params, tokens, mask, plan)
-args = (m.graphdef, m.params, plan, logits, pcaches, states, mask, jnp.int32(64), popjax.sampling.SamplingParams.create(), jnp.full((8,),-1,jnp.int32), jnp.int32(0), jax.random.key(0))
-jax.block_until_ready(engine.decode_loop(*args, capacity=64))
+req = GenerationRequest.create(m, [[1] * 32], 64, method=meth, ignore_eos=True)
+jax.block_until_ready(req.decode(m, req.start(m)[0], 64)[0])
 import shutil; shutil.rmtree('/tmp/trace', ignore_errors=True)
+carry = req.start(m)[0]
 with jax.profiler.trace('/tmp/trace'):
-    jax.block_until_ready(engine.decode_loop(*args, capacity=64))
+    jax.block_until_ready(req.decode(m, carry, 64)[0])
 from jax.profiler import ProfileData
 f = glob.glob('/tmp/trace/**/*.xplane.pb', recursive=True)[0]
 pd = ProfileData.from_file(f)
@@ -35,7 +34,8 @@ for (p, l, n), v in tot.items():
 for k, v in kind.most_common(25): print(f'{v/1e6/63:8.3f} ms/step  {kc[k]/63:7.1f} calls/step  {k}')
 print('sum of ops per step %.2f ms' % (sum(kind.values())/1e6/63))
 print('==== per dot name')
-hlo = engine.decode_loop.lower(*args, capacity=64).compile().as_text()
+args = (m.graphdef, m.params, req.plan, req.start(m)[0], jnp.int32(64), req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
+hlo = engine.decode_loop.lower(*args, capacity=req.capacity).compile().as_text()
 shapes = {}
 for line in hlo.splitlines():
     mm = re.match(r'\s*(?:ROOT )?%?(dot[.\d]*) = (\S+) dot\((.*?)\)', line)
