@@ -234,11 +234,12 @@ def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: Sampling
     return carry, carry.token
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs"))
-def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False):
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs", "record"))
+def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False, record: tuple[str, ...] = ()):
     """Prefill a left-padded prompt, then feed ``targets`` [B, N] one at a time through the
     decode path -> (nll [B, N] of each target given everything before it, log-probabilities
-    [B, N, V] if asked, else [B, N, 0])."""
+    [B, N, V] if asked, else [B, N, 0], and the decode aux entries named in ``record``, each
+    [N, L, ...] (the step that fed target i is entry i))."""
     model = nnx.merge(graphdef, params)
     B, N = targets.shape
     logits, state, _ = _prefill(model, plan, tokens, mask, N)
@@ -247,11 +248,13 @@ def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logp
         logits, state = carry
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
-        logits, state, _ = _advance(model, plan, state, target)
-        return (logits, state), (nll, logp if with_logprobs else jnp.zeros((B, 0)))
+        logits, state, aux = _advance(model, plan, state, target)
+        aux = stack_aux(aux) if record else {}
+        kept = {name: aux[name] for name in record if name in aux}
+        return (logits, state), (nll, logp if with_logprobs else jnp.zeros((B, 0)), kept)
 
-    _, (nll, logp) = jax.lax.scan(step, (logits, state), targets.T)
-    return nll.T, jnp.swapaxes(logp, 0, 1)
+    _, (nll, logp, records) = jax.lax.scan(step, (logits, state), targets.T)
+    return nll.T, jnp.swapaxes(logp, 0, 1), records
 
 
 def compile_counts() -> dict[str, int]:

@@ -126,7 +126,7 @@ def test_trace_reports_partitions_and_selections(tiny_model):
         (lambda: popjax.POP(ratio=0.2, gamma=1.5), r"gamma=1.5 is outside \[0, 1\]"),
         (lambda: popjax.POP(ratio=0.2, gamma=-0.01), r"gamma=-0.01 is outside"),
         (lambda: popjax.POP(ratio=0.2, aggregate="mean"), r"aggregate='mean' is not one of \('shared', 'per_sequence'\)"),
-        (lambda: make_method("no-such-method"), r"unknown method 'no-such-method'; valid methods: \[.*'dense', 'dynamic', .*'pop', 'static'"),
+        (lambda: make_method("no-such-method"), r"unknown method 'no-such-method'; valid methods: \[.*'dense', 'dynamic', .*'pop', .*'static'"),
         (lambda: make_method("static", gamma=0.1), r"method 'static' takes no \['gamma'\]"),
     ],
 )

@@ -22,9 +22,13 @@ def teacher_forced(
     prompts: list[list[int]],
     targets: np.ndarray,
     with_logprobs: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
+    record: tuple[str, ...] = (),
+):
     """NLL (nats) [B, N] of ``targets`` [B, N] fed through ``method``'s decode path after each
-    prompt's prefill; optionally the log-probabilities [B, N, V]."""
+    prompt's prefill, and the log-probabilities [B, N, V] (or None unless ``with_logprobs``).
+    With ``record`` (names of the method's decode aux, e.g. ``("density",)``) a third value
+    holds them per step: name -> [N, L, ...] (per-sequence methods keep the batch bucket's
+    rows)."""
     targets = np.asarray(targets, np.int32)
     if targets.ndim != 2 or targets.shape[0] != len(prompts):
         raise ValueError(f"targets must be [B={len(prompts)}, N]; got {targets.shape}")
@@ -32,8 +36,10 @@ def teacher_forced(
     padded_targets = np.zeros((tokens.shape[0], targets.shape[1]), np.int32)
     padded_targets[: len(prompts)] = targets
     plan = prepared(method, model).bind(model.config)
-    nll, logp = engine.teacher_force(
-        model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(padded_targets), with_logprobs
+    nll, logp, records = engine.teacher_force(
+        model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(padded_targets),
+        with_logprobs, tuple(record),
     )
     B = len(prompts)
-    return np.asarray(nll)[:B], (np.asarray(logp)[:B] if with_logprobs else None)
+    out = np.asarray(nll)[:B], (np.asarray(logp)[:B] if with_logprobs else None)
+    return (*out, {k: np.asarray(v) for k, v in records.items()}) if record else out

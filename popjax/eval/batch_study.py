@@ -1,0 +1,316 @@
+"""The batch study of Batch-wise Adaptive Pruning's claim (issue 10; SPEC §3, §5): when a batch
+must share one mask, do threshold methods (TEAL, CATS) drift off their target density and lose
+accuracy, while BWAP keeps both?
+
+For every method and batch size b, the same ``windows`` windows of held-out text run in batches
+of exactly b (a shared-mask method sees b − 1 batch-mates): each window's P prompt tokens are
+prefilled, then its next N tokens are fed one at a time through the method's decode path and
+scored (online teacher-forced NLL, as `tasks.online_nll`). One record per (method, b):
+
+    nll, ppl, nll_by_position [N]   the N fed tokens' NLL (mean over windows)
+    density_by_step [steps]         ACTUAL fraction of the FFN weights read per decode step,
+                                    mean over layers and over the batches of windows
+    density_mean                    its mean over steps
+    target_density                  plan.ffn_weights_read(d) / (3·d·f): what the budget promises
+    density_source                  "aux": the method reports ``density`` per step and layer
+                                    (TEAL, CATS, BWAP); "static": it does not, and the curve
+                                    is its target (dense, static, POP, dynamic)
+
+``density_from`` chooses where the density curve comes from:
+  "teacher" (default): the aux of the very decode steps whose NLL is scored, in the same compiled
+    pass (steps = N); one compile per (method, batch) and half the work of a second pass.
+  "generation": greedy generation of N tokens from the same prompts (``generate_ids`` with
+    ``return_trace``; steps = N − 1: the first token comes from prefill).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..generation import generate_ids
+from ..loading import LoadedModel
+from ..methods import BWAP, CATS, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, Static, method_fields, method_label, parse_method_spec
+from .tasks import NLLSettings, text_windows
+from .teacher import teacher_forced
+
+log = logging.getLogger(__name__)
+
+STUDY_METHODS: dict[str, Callable[[float], Method]] = {
+    "dense": lambda r: Dense(),
+    "teal": lambda r: TEAL(r),
+    "cats": lambda r: CATS(r),
+    "bwap": lambda r: BWAP(r),
+    "pop": lambda r: POP(r, aggregate="shared"),
+    "static": lambda r: Static(r, aggregate="shared"),
+    "dynamic": lambda r: Dynamic(r, aggregate="shared"),
+    "bwap-no-memory": lambda r: BWAP(r, memory=False),  # ablations of SPEC §3
+    "bwap-mean": lambda r: BWAP(r, aggregate="mean"),
+    "bwap-every-step": lambda r: BWAP(r, schedule="every_step"),
+}
+DRIFT_METHODS = ("teal", "cats", "bwap")  # the density-over-steps plot
+DENSITY_SOURCES = ("teacher", "generation")
+
+
+def study_methods(names: Sequence[str], ratio: float) -> list[tuple[str, Method]]:
+    """(label, method) per name: a `STUDY_METHODS` key, or a registry spec (``name:key=value``)
+    given ``ratio`` and the shared aggregation where it takes them."""
+    out = []
+    for name in names:
+        if name in STUDY_METHODS:
+            out.append((name, STUDY_METHODS[name](ratio)))
+            continue
+        base = name.split(":")[0]
+        if base not in METHODS:
+            raise MethodError(f"unknown study method {name!r}; use one of {list(STUDY_METHODS)} or a method spec of {sorted(METHODS)}")
+        fields, hyper = method_fields(base), {}
+        if "ratio" in fields:
+            hyper["ratio"] = ratio
+        if "aggregate" in fields and "shared" in getattr(METHODS[base], "aggregates", ()):
+            hyper["aggregate"] = "shared"  # the batch study is about shared masks
+        out.append((name, parse_method_spec(name, **hyper)))
+    return out
+
+
+def check_batches(windows: int, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    """The sorted distinct batch sizes; every one must divide ``windows`` so every batch is full
+    (a short last batch would give its rows fewer batch-mates than the size claims)."""
+    sizes = tuple(batch_sizes)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"batch_sizes={list(sizes)} must be a non-empty list of integers ≥ 1")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1 or any(windows % b for b in sizes):
+        raise ValueError(
+            f"windows={windows!r} must be a positive multiple of every batch size {sorted(set(sizes))} "
+            f"(e.g. {math.lcm(*sizes)}), so that every batch holds exactly that many windows"
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _layer_mean(density: np.ndarray, batch: int) -> np.ndarray | None:
+    """[steps, L] or [steps, L, B_bucket] -> [steps] (mean over layers and real rows); None if empty."""
+    density = np.asarray(density, np.float64)
+    if density.size == 0:
+        return None
+    if density.ndim == 3:  # per-sequence aux: drop the bucket's dead rows
+        density = density[:, :, :batch]
+    return density.reshape(density.shape[0], -1).mean(axis=1)
+
+
+def _run_batch(model: LoadedModel, method: Method, plan, prompts: list[list[int]], targets: np.ndarray, density_from: str):
+    """One full batch -> (nll [B, N], density by step or None)."""
+    B = len(prompts)
+    if density_from == "generation":
+        nll, _ = teacher_forced(model, method, prompts, targets)
+        _, trace = generate_ids(model, prompts, targets.shape[1], method=method, return_trace=True, ignore_eos=True)
+        return nll, _layer_mean(trace["decode"].get("density", np.zeros((0,))), B)
+    nll, _, records = teacher_forced(model, method, prompts, targets, record=("density",))
+    return nll, _layer_mean(records.get("density", np.zeros((0,))), B)
+
+
+def batch_study_ids(
+    model: LoadedModel,
+    methods: Sequence[Method | tuple[str, Method]],
+    prompts: list[list[int]],
+    targets: np.ndarray,
+    batch_sizes: Sequence[int] = (1, 4, 8),
+    density_from: str = "teacher",
+) -> list[dict[str, Any]]:
+    """The study on token ids: ``prompts`` (W lists of P ids) and ``targets`` [W, N]; methods as
+    `Method` or (label, Method). Returns one record per (method, batch size); see the module doc."""
+    sizes = check_batches(len(prompts), batch_sizes)
+    if density_from not in DENSITY_SOURCES:
+        raise ValueError(f"density_from={density_from!r} is not one of {DENSITY_SOURCES}")
+    targets = np.asarray(targets, np.int32)
+    if targets.ndim != 2 or targets.shape[0] != len(prompts) or targets.shape[1] < 1:
+        raise ValueError(f"targets must be [W={len(prompts)}, N ≥ 1]; got {targets.shape}")
+    span = max(map(len, prompts)) + targets.shape[1]
+    if span > model.config.max_position_embeddings:
+        raise ValueError(f"a window of {span} tokens exceeds the model's context of {model.config.max_position_embeddings}")
+    steps = targets.shape[1] - (density_from == "generation")
+    d = model.config.hidden_size
+    labelled = [m if isinstance(m, tuple) else (method_label(m, exclude=("ratio",)), m) for m in methods]
+    records = []
+    for label, method in tqdm(labelled, desc="batch study", unit="method"):
+        method = method.prepare(model)  # TEAL/CATS calibrate once (cached on disk)
+        plan = method.bind(model.config)
+        target = plan.ffn_weights_read(d) / (3 * d * plan.f)
+        for b in sizes:
+            nlls, curves = [], []
+            for start in range(0, len(prompts), b):
+                nll, curve = _run_batch(model, method, plan, prompts[start : start + b], targets[start : start + b], density_from)
+                nlls.append(nll)
+                curves.append(curve)
+            nll = np.concatenate(nlls)
+            measured = curves[0] is not None
+            curve = np.mean(curves, axis=0) if measured else np.full(steps, target)
+            log.info("%s batch %d: nll %.4f, density %.3f (target %.3f)", label, b, nll.mean(), curve.mean(), target)
+            records.append({
+                "method": method.name,
+                "label": label,
+                "ratio": getattr(method, "ratio", None) or 0.0,
+                "batch_size": b,
+                "windows": len(prompts),
+                "prompt_tokens": max(map(len, prompts)),
+                "decode_tokens": int(targets.shape[1]),
+                "density_from": density_from,
+                "nll": float(nll.mean()),
+                "ppl": float(np.exp(nll.mean())),
+                "nll_by_position": nll.mean(axis=0).tolist(),
+                "density_source": "aux" if measured else "static",
+                "target_density": float(target),
+                "density_mean": float(curve.mean()),
+                "density_by_step": curve.tolist(),
+            })
+    return records
+
+
+def batch_study(
+    model: LoadedModel,
+    methods: Sequence[Method | tuple[str, Method]],
+    text: str,
+    batch_sizes: Sequence[int] = (1, 4, 8),
+    windows: int = 8,
+    prompt_tokens: int = 128,
+    decode_tokens: int = 256,
+    density_from: str = "teacher",
+) -> list[dict[str, Any]]:
+    """The study on ``text``: ``windows`` windows of ``prompt_tokens`` + ``decode_tokens`` tokens
+    at evenly spaced offsets (as `tasks.text_windows`), then `batch_study_ids`."""
+    check_batches(windows, batch_sizes)  # before tokenising a whole play
+    prompts, targets = text_windows(model, text, NLLSettings(prompt_tokens, decode_tokens, windows))
+    return batch_study_ids(model, methods, prompts, targets, batch_sizes, density_from)
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """Rows: methods in study order. Columns: NLL per batch size, NLL(largest) − NLL(1 or the
+    smallest), the target density and the actual mean density per batch size."""
+    sizes = sorted({r["batch_size"] for r in records})
+    by = {(r["label"], r["batch_size"]): r for r in records}
+    head = [f"NLL b={b}" for b in sizes] + [f"ΔNLL b={sizes[-1]}−{sizes[0]}", "target density"]
+    head += [f"density b={b}" for b in sizes]
+    lines = ["| method | ratio | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for label in dict.fromkeys(r["label"] for r in records):
+        rows = [by.get((label, b)) for b in sizes]
+        first = next(r for r in rows if r)
+        cells = [f"{r['nll']:.4f}" if r else "" for r in rows]
+        cells.append(f"{rows[-1]['nll'] - rows[0]['nll']:+.4f}" if rows[0] and rows[-1] else "")
+        cells.append(f"{first['target_density']:.3f}")
+        cells += [f"{r['density_mean']:.3f}{'' if r['density_source'] == 'aux' else '*'}" if r else "" for r in rows]
+        lines.append(f"| {label} | {first['ratio']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "Density: fraction of the FFN weights a decode step reads, mean over steps and layers; "
+              "* = the method reports none, its target is shown."]
+    return "\n".join(lines)
+
+
+def plot_study(records: list[dict[str, Any]], out_dir: Path, drift_methods: Sequence[str] = DRIFT_METHODS) -> list[Path]:
+    """``density_over_steps.png`` (the drift: actual density per decode step of ``drift_methods``,
+    or of every method that reports density, at the smallest vs the largest batch, with each
+    target dotted) and ``nll_vs_batch.png``. Returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = sorted({r["batch_size"] for r in records})
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    measured = [label for label in labels if any(r["label"] == label and r["density_source"] == "aux" for r in records)]
+    drift = [label for label in labels if label in drift_methods] or measured
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, label in enumerate(drift):
+        color = f"C{i % 10}"
+        for b, style in ((sizes[0], "-"), (sizes[-1], "--")) if len(sizes) > 1 else ((sizes[0], "-"),):
+            r = next((r for r in records if r["label"] == label and r["batch_size"] == b), None)
+            if r is not None:
+                ax.plot(np.arange(len(r["density_by_step"])), r["density_by_step"], ls=style, color=color, lw=1,
+                        label=f"{label} b={b}")
+        target = next(r["target_density"] for r in records if r["label"] == label)
+        ax.axhline(target, color=color, ls=":", lw=1)
+    ax.set(xlabel="decode step", ylabel="FFN density (fraction of weights read)", ylim=(0, 1.05),
+           title="Actual density per decode step (dotted: target)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    paths.append(out_dir / "density_over_steps.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in labels:
+        pts = sorted((r["batch_size"], r["nll"]) for r in records if r["label"] == label)
+        ax.plot(*zip(*pts), marker="o", label=label, ls="-" if label != "dense" else ":", color="gray" if label == "dense" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set(xlabel="batch size (windows sharing a batch)", ylabel="online NLL (nats)", title="NLL vs batch size")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    paths.append(out_dir / "nll_vs_batch.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def register_cli(sub) -> None:
+    from ..convert.default_model import DEFAULT_MODEL
+    from .data import HELD_OUT_PLAY
+
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = sub.add_parser("batch-study", help="NLL and actual FFN density of pruning methods at several batch sizes")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
+    p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=list(STUDY_METHODS),
+                   help=f"study names {list(STUDY_METHODS)} or method specs (name:key=value)")
+    p.add_argument("--ratio", type=float, default=0.4, help="global pruning ratio of every method (SPEC §1)")
+    p.add_argument("--batch-sizes", type=ints, default=[1, 4, 8])
+    p.add_argument("--windows", type=int, default=8, help="text windows; a multiple of every batch size")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--density-from", default="teacher", choices=DENSITY_SOURCES)
+    p.add_argument("--play", default=HELD_OUT_PLAY, help="Shakespeare play (see popjax.eval.data)")
+    p.add_argument("--text-file", default=None, help="use this UTF-8 text instead of a play")
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--out", default=None, help="directory for report.md and the plots")
+    p.set_defaults(run=_cmd_batch_study)
+
+
+def _cmd_batch_study(args) -> None:
+    import datetime
+
+    from ..bench import write_json_atomic
+    from ..loading import load
+    from .cli import _command_line
+    from .data import load_play, load_text_file
+
+    methods = study_methods(args.methods, args.ratio)  # validate before the (slow) load
+    check_batches(args.windows, args.batch_sizes)
+    text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
+    model = load(args.model, dtype=args.dtype)
+    records = batch_study(model, methods, text, args.batch_sizes, args.windows, args.prompt_tokens, args.decode_tokens,
+                          args.density_from)
+    table = markdown_table(records)
+    print(table)
+    if args.json:
+        write_json_atomic(Path(args.json), {"command": _command_line(), "records": records})
+    if args.out:
+        out = Path(args.out)
+        plots = plot_study(records, out)
+        source = args.text_file or f"Shakespeare, {args.play}"
+        lines = [
+            "# popjax batch study",
+            "",
+            f"Model `{args.model}`, text: {source}, global ratio {args.ratio}. Generated {datetime.date.today()} by",
+            "",
+            f"```bash\n{_command_line()}\n```",
+            "",
+            table,
+            "",
+        ] + [f"![{p.stem}]({p.name})" for p in plots]
+        (out / "report.md").write_text("\n".join(lines) + "\n")
