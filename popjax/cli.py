@@ -122,9 +122,9 @@ def _extra_commands():
     from . import bench, kv_drift, layer_importance
     from .eval import batch_study
     from .eval import cli as eval_cli
-    from .eval import lm_eval_adapter
+    from .eval import lm_eval_cli
 
-    return [bench.register_cli, eval_cli.register_cli, lm_eval_adapter.register_cli, layer_importance.register_cli, kv_drift.register_cli,
+    return [bench.register_cli, eval_cli.register_cli, lm_eval_cli.register_cli, layer_importance.register_cli, kv_drift.register_cli,
             batch_study.register_cli]
 
 

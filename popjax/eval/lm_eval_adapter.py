@@ -21,11 +21,9 @@ length, so no padding enters a shared statistic.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,7 +52,7 @@ IGNORED_ARGS = ("device", "max_batch_size")
 ADAPTER_ARGS = ("source", "method", "dtype", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token")
 
 
-def _require_lm_eval() -> None:
+def require_lm_eval() -> None:
     if LM_EVAL_IMPORT_ERROR is not None:
         raise ImportError(
             "lm-evaluation-harness is not installed; `pip install 'popjax[eval]'` (package lm-eval)"
@@ -134,7 +132,7 @@ class PopjaxLM(TemplateLM):
         add_bos_token: bool | None = None,
         **method_args: Any,
     ) -> None:
-        _require_lm_eval()
+        require_lm_eval()
         super().__init__()
         from ..loading import LoadedModel, load
 
@@ -352,97 +350,3 @@ class PopjaxLM(TemplateLM):
 
 
 # ---------------------------------------------------------------- the `popjax lm-eval` command
-
-
-def _limit(value: str) -> int | float:
-    number = float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"--limit {value} must be > 0 (a count, or a fraction below 1)")
-    return int(number) if number >= 1 and number.is_integer() else number
-
-
-def register_cli(sub) -> None:
-    from ..cli import add_method_args
-
-    p = sub.add_parser("lm-eval", help="score a method on lm-evaluation-harness tasks (popjax[eval])")
-    p.add_argument("--tasks", required=True, type=lambda s: [t for t in s.split(",") if t],
-                   help="comma-separated lm-eval task names (built-in or from --include-path)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32")
-    before = {action.dest for action in p._actions}
-    add_method_args(p)  # the method flags every command shares; their values become model_args
-    p.set_defaults(method_flags=[a.dest for a in p._actions if a.dest not in before])
-    for action in p._actions:  # this command's default differs from generate's (see build_method)
-        if action.dest == "aggregate":
-            action.help = "default here: per_sequence (per_token for teal/cats), so a score never depends on its batch"
-    p.add_argument("--model-args", default="", help="more model_args, e.g. max_length=1024 or a method's hyper-parameters")
-    p.add_argument("--include-path", default=None, help="directory of extra task YAMLs (local tasks)")
-    p.add_argument("--no-builtin-tasks", action="store_true",
-                   help="index only --include-path, not lm-eval's built-in tasks (faster, offline)")
-    p.add_argument("--limit", type=_limit, default=None, help="documents per task (count, or fraction < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    p.add_argument("--apply-chat-template", action="store_true")
-    p.add_argument("--bootstrap-iters", type=int, default=100000, help="0 skips bootstrapped stderrs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write lm-eval's results here")
-    p.set_defaults(run=_cmd_lm_eval)
-
-
-def model_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
-    from lm_eval.utils import simple_parse_args_string
-
-    given = {"source": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "seed": args.seed}
-    given |= {name: getattr(args, name) for name in args.method_flags}  # method, ratio, gamma, ...
-    return {k: v for k, v in given.items() if v is not None} | simple_parse_args_string(args.model_args)
-
-
-def task_manager_for(tasks: list[str], include_path: str | None, builtin: bool = True):
-    """A TaskManager that knows ``tasks``, or a ValueError naming the unknown ones.
-
-    Indexing lm-eval's thousands of built-in YAMLs takes tens of seconds, so when every task is
-    found under ``include_path`` the built-ins are not indexed (include_path wins either way);
-    ``builtin=False`` never indexes them."""
-    from lm_eval.tasks import TaskManager
-
-    manager = None
-    if include_path is not None:
-        if not Path(include_path).is_dir():
-            raise FileNotFoundError(f"--include-path {include_path} is not a directory")
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if not builtin or all(local.match_tasks([t]) for t in tasks):
-            manager = local
-    elif not builtin:
-        raise ValueError("--no-builtin-tasks needs --include-path DIR (the local task YAMLs)")
-    if manager is None:
-        manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
-        raise ValueError(
-            f"unknown lm-eval task(s) {unknown}; pass --include-path DIR for local task YAMLs "
-            "(`lm-eval ls tasks` lists the built-in ones)"
-        )
-    return manager
-
-
-def _cmd_lm_eval(args: argparse.Namespace) -> None:
-    _require_lm_eval()
-    import lm_eval
-    from lm_eval.utils import handle_non_serializable, make_table
-
-    from ..bench import write_json_atomic
-    from .cli import _command_line
-
-    model_args = model_args_from_cli(args)
-    hyper = {k: v for k, v in model_args.items() if k not in ADAPTER_ARGS + IGNORED_ARGS}
-    method = build_method(model_args["method"], hyper)
-    task_manager = task_manager_for(args.tasks, args.include_path, not args.no_builtin_tasks)  # before the load
-    results = lm_eval.simple_evaluate(
-        model="popjax", model_args=model_args, tasks=args.tasks, num_fewshot=args.num_fewshot,
-        limit=args.limit, task_manager=task_manager, apply_chat_template=args.apply_chat_template,
-        bootstrap_iters=args.bootstrap_iters, log_samples=False, random_seed=args.seed,
-    )
-    print(make_table(results))
-    if args.json:
-        payload = {"command": _command_line(), "model_args": model_args, "method": repr(method), **results}
-        write_json_atomic(Path(args.json), json.loads(json.dumps(payload, default=handle_non_serializable)))
