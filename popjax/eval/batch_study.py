@@ -282,11 +282,8 @@ def register_cli(sub) -> None:
 
 
 def _cmd_batch_study(args) -> None:
-    import datetime
-
-    from ..bench import write_json_atomic
     from ..loading import load
-    from .cli import _command_line
+    from .cli import write_outputs
     from .data import load_play, load_text_file
 
     methods = study_methods(args.methods, args.ratio)  # validate before the (slow) load
@@ -295,22 +292,6 @@ def _cmd_batch_study(args) -> None:
     model = load(args.model, dtype=args.dtype)
     records = batch_study(model, methods, text, args.batch_sizes, args.windows, args.prompt_tokens, args.decode_tokens,
                           args.density_from)
-    table = markdown_table(records)
-    print(table)
-    if args.json:
-        write_json_atomic(Path(args.json), {"command": _command_line(), "records": records})
-    if args.out:
-        out = Path(args.out)
-        plots = plot_study(records, out)
-        source = args.text_file or f"Shakespeare, {args.play}"
-        lines = [
-            "# popjax batch study",
-            "",
-            f"Model `{args.model}`, text: {source}, global ratio {args.ratio}. Generated {datetime.date.today()} by",
-            "",
-            f"```bash\n{_command_line()}\n```",
-            "",
-            table,
-            "",
-        ] + [f"![{p.stem}]({p.name})" for p in plots]
-        (out / "report.md").write_text("\n".join(lines) + "\n")
+    source = args.text_file or f"Shakespeare, {args.play}"
+    write_outputs(args, records, markdown_table(records), plot_study, "popjax batch study",
+                  f"Model `{args.model}`, text: {source}, global ratio {args.ratio}.")

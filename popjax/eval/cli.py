@@ -45,7 +45,6 @@ def register_cli(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
-    from ..bench import write_json_atomic
     from ..loading import load
     from .data import load_play, load_text_file
 
@@ -62,24 +61,23 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     )
     model = load(args.model, dtype=args.dtype)
     records = evaluate(model, methods, args.tasks, text, settings)
-    table = markdown_table(records)
+    source = args.text_file or f"Shakespeare, {args.play}"
+    write_outputs(args, records, markdown_table(records), plot_records, "popjax evaluation", f"Model `{args.model}`, NLL text: {source}.")
+
+
+def write_outputs(args: argparse.Namespace, records: list, table: str, plot, title: str, intro: str) -> None:
+    """Prints the table; writes the records as JSON (``--json``) and, with ``--out``, the plots
+    and a report.md that names the command which produced them."""
+    from ..bench import write_json_atomic
+
     print(table)
     if args.json:
         write_json_atomic(Path(args.json), {"command": _command_line(), "records": records})
     if args.out:
         out = Path(args.out)
-        plots = plot_records(records, out)
-        source = args.text_file or f"Shakespeare, {args.play}"
-        lines = [
-            "# popjax evaluation",
-            "",
-            f"Model `{args.model}`, NLL text: {source}. Generated {datetime.date.today()} by",
-            "",
-            f"```bash\n{_command_line()}\n```",
-            "",
-            table,
-            "",
-        ] + [f"![{p.stem}]({p.name})" for p in plots]
+        plots = plot(records, out)
+        lines = [f"# {title}", "", f"{intro} Generated {datetime.date.today()} by", "", f"```bash\n{_command_line()}\n```", "", table, ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
         (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
