@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..models import moe as moe_shapes
 from ..models.config import ModelConfig
 from . import names, readers
 from .readers import CheckpointError
@@ -44,6 +45,10 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up": (f, d),
             p + "mlp.down": (d, f),
         })
+        if cfg.moe is not None:  # the layer's FFN: routed/shared experts or a dense FFN of its own width
+            for name in ("gate", "up", "down"):
+                del shapes[p + "mlp." + name]
+            shapes.update({p + "mlp." + k: v for k, v in moe_shapes.checkpoint_shapes(cfg, i).items()})
         if cfg.qkv_bias:
             shapes.update({p + "attn.q_bias": (cfg.q_dim,), p + "attn.k_bias": (cfg.kv_dim,), p + "attn.v_bias": (cfg.kv_dim,)})
         if cfg.qk_norm:

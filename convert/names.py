@@ -31,6 +31,15 @@ HF_RULES = (
     Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight"),
     Rule(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.mlp_norm.weight"),
     Rule(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}"),
+    # mixture of experts (models/moe.py): Qwen2-MoE / Qwen3-MoE, then Mixtral
+    Rule(r"model\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{0}.mlp.router"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.experts.{1}.{2}"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.shared.{1}"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "layers.{0}.mlp.shared_gate"),
+    Rule(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{0}.mlp.router"),
+    Rule(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", "layers.{0}.mlp.experts.{1}.gate"),
+    Rule(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", "layers.{0}.mlp.experts.{1}.up"),
+    Rule(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", "layers.{0}.mlp.experts.{1}.down"),
     Rule(r"model\.norm\.weight", "final_norm.weight"),
     Rule(r"lm_head\.weight", "lm_head"),
 )

@@ -28,10 +28,14 @@ def download_distribution(spec: str, filename: str) -> Path:
         return target
     directory.mkdir(parents=True, exist_ok=True)
     log.warning("downloading %s into %s", spec, directory)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-d", str(directory), spec]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 or not target.is_file():
-        raise RuntimeError(f"could not download {spec} with `{' '.join(cmd)}`:\n{result.stderr[-2000:]}")
+    # into a private directory first, then renamed: concurrent processes (parallel test workers)
+    # never see, or overwrite, a half-written file
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-d", tmp, spec]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0 or not (Path(tmp) / filename).is_file():
+            raise RuntimeError(f"could not download {spec} with `{' '.join(cmd)}`:\n{result.stderr[-2000:]}")
+        os.replace(Path(tmp) / filename, target)
     return target
 
 

@@ -71,7 +71,12 @@ def write_converted(
         has_tokenizer = save_tokenizer(tmp / "tokenizer")
         marker = dict(meta, format_version=FORMAT_VERSION, tokenizer=has_tokenizer)
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        os.rename(tmp, destination)
+        try:
+            os.rename(tmp, destination)
+        except OSError:
+            if destination.exists():  # another process renamed the same conversion first
+                raise FileExistsError(f"{destination} already exists (written concurrently)") from None
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,6 +16,10 @@ _ARCH_FLAGS = {
     "llama": dict(qkv_bias=False, qk_norm=False),
     "qwen2": dict(qkv_bias=True, qk_norm=False),
     "qwen3": dict(qkv_bias=False, qk_norm=True),
+    # mixture-of-experts families (models/moe.py)
+    "qwen2_moe": dict(qkv_bias=True, qk_norm=False),
+    "qwen3_moe": dict(qkv_bias=False, qk_norm=True),
+    "mixtral": dict(qkv_bias=False, qk_norm=False),
 }
 
 
@@ -60,6 +64,9 @@ class ModelConfig:
     # bias compensation). Not HF fields: they live in popjax's own config.json.
     intermediate_sizes: tuple[int, ...] | None = None
     down_proj_bias: bool = False
+    # A mixture-of-experts model (models.moe.MoEConfig); then intermediate_size is the expert
+    # width f_e, the channel-block width every FFN of the model is pruned in (docs/moe.md).
+    moe: Any = None
 
     @property
     def q_dim(self) -> int:
@@ -77,7 +84,11 @@ class ModelConfig:
             n += self.q_dim + 2 * self.kv_dim
         return n
 
-    def mlp_params_per_layer(self) -> int:
+    def mlp_params_per_layer(self) -> float:
+        """3·d·f; for a MoE model the FFN parameters one token activates (top-k experts + shared
+        expert), averaged over layers (SPEC §1 counted in activated parameters, docs/moe.md)."""
+        if self.moe is not None:
+            return self.moe.activated_mlp_params(self.hidden_size, self.num_hidden_layers) / self.num_hidden_layers
         return 3 * self.hidden_size * self.intermediate_size
 
     def ffn_width(self, layer: int | None = None) -> int:
@@ -98,6 +109,9 @@ class ModelConfig:
             out["intermediate_sizes"] = list(self.intermediate_sizes)
         if not self.down_proj_bias:
             del out["down_proj_bias"]
+        del out["moe"]  # MoE configs write HF's own fields instead (dense configs are unchanged)
+        if self.moe is not None:
+            out.update(self.moe.hf_fields(self.model_type, self.num_hidden_layers))
         return out
 
     @classmethod
@@ -113,6 +127,14 @@ class ModelConfig:
             flags["qkv_bias"] = True  # some LLaMA derivatives carry q/k/v biases
         if model_type == "llama" and raw.get("mlp_bias"):
             raise ConfigError("mlp_bias=True is not supported (pruning assumes a bias-free gated MLP)")
+        moe = None
+        if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
+            from .moe import moe_from_hf  # lazy: models.moe imports this module
+
+            try:
+                moe = moe_from_hf(raw, model_type, int(raw["num_hidden_layers"]))
+            except KeyError as err:
+                raise ConfigError(f"config.json lacks the required field {err.args[0]!r}") from None
         try:
             d = int(raw["hidden_size"])
             n_heads = int(raw["num_attention_heads"])
@@ -120,7 +142,7 @@ class ModelConfig:
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=d,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw["intermediate_size"]) if moe is None else moe.expert_size,
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=n_heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or n_heads),
@@ -134,6 +156,7 @@ class ModelConfig:
                 eos_token_ids=_as_tuple(raw.get("eos_token_id")),
                 intermediate_sizes=_layer_widths(raw.get("intermediate_sizes"), int(raw["num_hidden_layers"])),
                 down_proj_bias=bool(raw.get("down_proj_bias", False)),
+                moe=moe,
                 **flags,
             )
         except KeyError as err:

@@ -15,17 +15,19 @@ from flax import nnx
 
 from .config import ModelConfig
 from .layers import Attention, KVCache, MLPWeights, RMSNorm
+from .moe import MoEWeights, moe_mlp
 from .rope import check_rope_type, rope_cos_sin
 
 MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, index: int = 0):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLPWeights(cfg, dtype)
+        # a MoE model's FFN is a stack of expert blocks (models/moe.py), each run by mlp_fn
+        self.mlp = MoEWeights(cfg, dtype, index) if cfg.moe is not None else MLPWeights(cfg, dtype)
 
     def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0):
         """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux).
@@ -38,8 +40,11 @@ class DecoderLayer(nnx.Module):
         if gate is not None:
             attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
-        weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
-        y, mlp_state, aux = mlp_fn(weights, mlp_state, self.mlp_norm(x))
+        if isinstance(self.mlp, MoEWeights):
+            y, mlp_state, aux = moe_mlp(self.mlp, mlp_fn, mlp_state, self.mlp_norm(x), jnp.asarray(index, jnp.int32))
+        else:
+            weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
+            y, mlp_state, aux = mlp_fn(weights, mlp_state, self.mlp_norm(x))
         y = y.astype(x.dtype)
         if gate is not None:
             y = y * gate[..., None].astype(y.dtype)
@@ -53,7 +58,7 @@ class Transformer(nnx.Module):
         check_rope_type(cfg)
         self.cfg = cfg
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))

@@ -8,10 +8,10 @@
 from . import engine
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import LoadedModel, convert_source, load
-from . import calibration, layer_importance, pruned
+from . import calibration, layer_importance, memory_plan, pruned, sharding
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
-    Static, WandaSP, make_method,
+    Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP,
 )
 from .convert.default_model import DEFAULT_MODEL
 
@@ -22,11 +22,16 @@ __all__ = [
     "CATS",
     "FLAP",
     "GRIFFIN",
+    "GateScoredPOP",
+    "LayerBandsPOP",
+    "LowRankPOP",
     "ProbePruning",
     "TEAL",
     "WandaSP",
     "calibration",
     "layer_importance",
+    "memory_plan",
+    "sharding",
     "pruned",
     "DEFAULT_MODEL",
     "METHODS",

@@ -316,7 +316,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def register_cli(sub) -> None:
     p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["static", "pop", "dynamic"])
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.4])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with an optional pruning method")
     gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
-    gen.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -119,13 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands defined beside their implementation (bench, eval)."""
-    from . import bench, kv_drift, layer_importance
-    from .eval import batch_study
+    from . import bench, kv_drift, layer_importance, memory_plan
+    from .eval import batch_study, frontier
     from .eval import cli as eval_cli
     from .eval import lm_eval_cli
 
     return [bench.register_cli, eval_cli.register_cli, lm_eval_cli.register_cli, layer_importance.register_cli, kv_drift.register_cli,
-            batch_study.register_cli]
+            batch_study.register_cli, frontier.register_cli, memory_plan.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

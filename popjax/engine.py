@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import sharding
 from .methods.base import Plan
 from .models.attention import cache_slots
 from .models.layers import KVCache
@@ -99,7 +100,8 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         tokens,
         positions_from_mask(prefill_mask),
         valid,
-        lambda w, _state, x: plan.prefill(w, x, valid),
+        # ``routed`` [B, T] (a MoE expert's tokens, models/moe.py) narrows ``valid``; dense FFNs omit it
+        lambda w, _state, x, routed=None: plan.prefill(w, x, valid if routed is None else valid & routed),
         [None] * len(model.layers),
         last_only=not all_logits,
         gates=gates,
@@ -114,8 +116,9 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         key_valid=jnp.concatenate([mask.astype(bool), jnp.ones((B, S - T), bool)], axis=1),
         live=jnp.any(mask.astype(bool), axis=1),
         prefix_end=jnp.int32(T - int(boundary)),
-        caches=tuple(KVCache(grow(c.k), grow(c.v)) for c in caches),
-        method_states=tuple(states),
+        # sharding hints (batch over "data", KV heads over "model"); no-ops without a mesh
+        caches=tuple(KVCache(*sharding.constrain_cache(grow(c.k), grow(c.v))) for c in caches),
+        method_states=tuple(sharding.constrain_method_state(plan, s) for s in states),
     )
     if not boundary:
         return (logits if all_logits else logits[:, -1]), state, aux
@@ -130,10 +133,11 @@ def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = Fals
     In the ``boundary`` step, layers without a method state (they skipped prefill) run the
     method's prefill on this token instead, which builds their state."""
     valid = state.live[:, None]
-    decode = lambda w, s, x: plan.decode(w, s, x, state.step, valid)
+    narrow = lambda routed: valid if routed is None else valid & routed  # a MoE expert's rows (models/moe.py)
+    decode = lambda w, s, x, routed=None: plan.decode(w, s, x, state.step, narrow(routed))
     mlp_fn = decode
     if boundary:
-        first = lambda w, _s, x: plan.prefill(w, x, valid)
+        first = lambda w, _s, x, routed=None: plan.prefill(w, x, narrow(routed))
         mlp_fn = [decode if s is not None else first for s in state.method_states]
     logits, caches, states, aux = model(
         token[:, None],

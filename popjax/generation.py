@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine
+from . import engine, sharding
 from .loading import LoadedModel
 from .methods import Method, prepared
 from .sampling import SamplingParams
@@ -69,12 +69,13 @@ def pad_token_id(model: LoadedModel) -> int:
     return 0
 
 
-def pad_batch(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad_batch(prompts: list[list[int]], pad_id: int, length: int | None = None, min_rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Left-pads prompts to ``length`` (default: their prompt bucket) and the batch to its bucket
-    with dead rows (all padding, mask 0) -> tokens, mask [B_bucket, T_bucket] int32."""
+    (at least ``min_rows``: a mesh's data axis) with dead rows (all padding, mask 0)
+    -> tokens, mask [B_bucket, T_bucket] int32."""
     if length is None:
         length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-    rows = engine.bucket_for(len(prompts), engine.BATCH_BUCKETS, "a batch size")
+    rows = engine.bucket_for(max(len(prompts), min_rows), engine.BATCH_BUCKETS, "a batch size")
     tokens = np.full((rows, length), pad_id, np.int32)
     mask = np.zeros((rows, length), np.int32)
     for row, ids in enumerate(prompts):
@@ -138,13 +139,21 @@ class GenerationRequest:
         check_prompt_lengths(model, prompts, max_new_tokens)
         plan = prepared(method, model).bind(model.config)
         pad_id = pad_token_id(model)
-        tokens, mask = pad_batch(prompts, pad_id)
+        mesh = getattr(model, "mesh", None)
+        data_rows = 1 if mesh is None else dict(mesh.shape).get("data", 1)
+        tokens, mask = pad_batch(prompts, pad_id, min_rows=data_rows)  # dead rows change no result
+        if mesh is not None:
+            sharding.check_batch(tokens.shape[0], mesh)
         capacity = engine.bucket_for(max(max_new_tokens, capacity or 0), engine.CAPACITY_BUCKETS, "max_new_tokens")
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         stops = _stop_ids(model, stop_ids, ignore_eos)
         return cls(plan, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
 
     def start(self, model, with_aux: bool = False):
+        with sharding.use_mesh(model):
+            return self._start(model, with_aux)
+
+    def _start(self, model, with_aux: bool):
         return engine.start(
             model.graphdef, model.params, self.plan, self.tokens, self.mask, self.key, self.sampling,
             jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux,
@@ -153,6 +162,10 @@ class GenerationRequest:
     def decode(self, model, carry, max_new_tokens: int, trace: bool = False):
         """The compiled decode loop from ``carry`` (consumed) -> (tokens [B, capacity], steps,
         trace records, final carry)."""
+        with sharding.use_mesh(model):
+            return self._decode(model, carry, max_new_tokens, trace)
+
+    def _decode(self, model, carry, max_new_tokens: int, trace: bool):
         return engine.decode_loop(
             model.graphdef, model.params, self.plan, carry, jnp.int32(max_new_tokens), self.sampling,
             jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, trace=trace,
@@ -160,9 +173,10 @@ class GenerationRequest:
 
     def step(self, model, carry):
         """One generation step alone (streaming); ``carry`` is consumed -> (carry, token [B])."""
-        return engine.stream_step(
-            model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id)
-        )
+        with sharding.use_mesh(model):
+            return engine.stream_step(
+                model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id)
+            )
 
     def until_stop(self, row: list[int]) -> list[int]:
         """A row of generated ids up to (excluding) its first stop id."""
@@ -342,11 +356,16 @@ def forward(
         raise ValueError(f"input_ids hold values outside [0, {model.config.vocab_size})")
     length = engine.bucket_for(T, engine.PROMPT_BUCKETS, "an input length")
     pad = length - T
-    rows = engine.bucket_for(ids.shape[0], engine.BATCH_BUCKETS, "a batch size")
+    mesh = getattr(model, "mesh", None)
+    rows = engine.bucket_for(max(ids.shape[0], 1 if mesh is None else dict(mesh.shape).get("data", 1)),
+                             engine.BATCH_BUCKETS, "a batch size")
+    if mesh is not None:
+        sharding.check_batch(rows, mesh)
     tokens = np.pad(ids, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     full_mask = np.pad(mask, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     plan = prepared(method, model).bind(model.config)
-    logits, _, _, _ = engine.prefill(
-        model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True
-    )
+    with sharding.use_mesh(model):
+        logits, _, _, _ = engine.prefill(
+            model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True
+        )
     return logits[: ids.shape[0], pad:]

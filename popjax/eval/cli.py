@@ -20,7 +20,7 @@ def _csv(kind):
 def register_cli(sub) -> None:
     p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     p.add_argument("--methods", type=_csv(str), default=["dense", "static", "pop", "dynamic"])
     p.add_argument("--ratios", type=_csv(float), default=[0.2, 0.4])
     p.add_argument("--gamma", type=float, default=0.1, help="POP's candidate band (default 0.1)")
@@ -36,6 +36,8 @@ def register_cli(sub) -> None:
     p.add_argument("--fidelity-tokens", type=int, default=48)
     p.add_argument("--fidelity-instructions", type=int, default=16, help="chat instructions used (max 16)")
     p.add_argument("--fidelity-humaneval", type=int, default=8, help="HumanEval prompts added")
+    p.add_argument("--next-line-documents", type=int, default=48,
+                   help="next_line: 4-choice documents of the local lm-eval task (from --play)")
     p.add_argument("--humaneval-subset", type=int, default=None, help="first N problems (default all 164)")
     p.add_argument("--humaneval-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=8)
@@ -58,6 +60,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         humaneval=HumanEvalSettings(args.humaneval_subset, args.humaneval_tokens, args.batch_size),
         fidelity_instructions=args.fidelity_instructions,
         fidelity_humaneval_prompts=args.fidelity_humaneval,
+        next_line_play=args.play,
+        next_line_documents=args.next_line_documents,
     )
     model = load(args.model, dtype=args.dtype)
     records = evaluate(model, methods, args.tasks, text, settings)

@@ -19,13 +19,15 @@ from ..loading import LoadedModel
 from ..methods import METHODS, Method, method_fields, method_label, parse_method_spec
 from . import tasks as T
 from .data import INSTRUCTIONS, humaneval_problems
+from .local_tasks import next_line_accuracy, write_next_line_task
 
 log = logging.getLogger(__name__)
-TASKS = ("nll", "code_nll", "fidelity", "humaneval")
+TASKS = ("nll", "code_nll", "fidelity", "next_line", "humaneval")
 METRICS = {  # what the table and the ratio plots show, per task
     "nll": ("nll", "ppl"),
     "code_nll": ("code_nll",),
     "fidelity": ("agreement_prefix", "agreement", "kl"),
+    "next_line": ("next_line_acc", "next_line_acc_norm"),  # the local lm-eval task (local_tasks.py)
     "humaneval": ("pass_at_1",),
 }
 
@@ -38,6 +40,8 @@ class EvalSettings:
     humaneval: T.HumanEvalSettings = T.HumanEvalSettings()
     fidelity_instructions: int = len(INSTRUCTIONS)  # instructions through the chat template
     fidelity_humaneval_prompts: int = 8  # HumanEval prompts added to the instructions
+    next_line_play: str = "coriolanus"  # the play of the local lm-eval task
+    next_line_documents: int = 48
 
 
 def check_tasks(task_names: list[str]) -> None:
@@ -86,6 +90,12 @@ def evaluate(
     if "humaneval" in task_names:
         problems = humaneval_problems(settings.humaneval.subset)
     code_problems = humaneval_problems(settings.code_nll.subset) if "code_nll" in task_names else None
+    task_dir = None
+    if "next_line" in task_names:
+        import tempfile
+
+        task_dir = tempfile.mkdtemp(prefix="popjax-next-line-")
+        write_next_line_task(task_dir, settings.next_line_play, settings.next_line_documents)
     jobs = [(m, t) for m in methods for t in task_names]
     for method, task in tqdm(jobs, desc="eval", unit="run"):
         method = method.prepare(model)  # offline methods calibrate once (cached on disk)
@@ -95,6 +105,8 @@ def evaluate(
             metrics = T.code_nll(model, method, code_problems, settings.code_nll)
         elif task == "fidelity":
             metrics = T.fidelity(model, method, prompts, reference, settings.fidelity)
+        elif task == "next_line":
+            metrics = next_line_accuracy(model, method, task_dir)
         else:
             metrics = T.humaneval(model, method, problems, settings.humaneval)
         records.append({

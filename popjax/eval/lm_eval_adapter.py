@@ -124,7 +124,7 @@ class PopjaxLM(TemplateLM):
         self,
         source: Any = DEFAULT_MODEL,
         method: str = "dense",
-        dtype: str = "float32",
+        dtype: str | None = None,
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_length: int | None = None,
         max_gen_toks: int = 256,
@@ -153,6 +153,15 @@ class PopjaxLM(TemplateLM):
         self.max_gen_toks, self.seed, self.add_bos_token = int(max_gen_toks), int(seed), add_bos_token
         self.independent = batch_independent(self.method)
         log.info("popjax lm-eval model: %s, method %r", self.model.source, self.method)
+
+    @classmethod
+    def from_loaded(cls, model, method, batch_size: int = DEFAULT_BATCH_SIZE, **kwargs: Any) -> "PopjaxLM":
+        """An lm-eval model over an already loaded model and a `Method` object (no reload, no
+        model_args parsing): how ``popjax eval`` runs lm-eval tasks inside its sweep."""
+        lm = cls(source=model, method="dense", batch_size=batch_size, **kwargs)
+        lm.method = method.prepare(model)
+        lm.independent = batch_independent(lm.method)
+        return lm
 
     # ------------------------------------------------------------ tokenisation (as lm-eval's HFLM)
 

@@ -26,7 +26,7 @@ def register_cli(sub) -> None:
     p.add_argument("--tasks", required=True, type=lambda s: [t for t in s.split(",") if t],
                    help="comma-separated lm-eval task names (built-in or from --include-path)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU/TPU, float32 on CPU")
     before = {action.dest for action in p._actions}
     add_method_args(p)  # the method flags every command shares; their values become model_args
     p.set_defaults(method_flags=[a.dest for a in p._actions if a.dest not in before])

@@ -12,8 +12,11 @@ from .base import DensePlan
 from .dense import Dense
 from .dynamic import Dynamic, DynamicPlan
 from .flap import FLAP
+from .gate_scored import GateScoredPlan, GateScoredPOP
 from .griffin import GRIFFIN, GRIFFINPlan
-from .pop import POP, POPPlan
+from .layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
+from .low_rank import LowRankFactors, LowRankPlan, LowRankPOP
+from .pop import POP, POPPlan, POPShardedPlan
 from .prefill_only import PrefillOnly, PrefillOnlyPlan
 from .probe import ProbePruning, ProbePruningPlan
 from .static import Static, StaticPlan
@@ -21,7 +24,8 @@ from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly)
+    cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly,
+                GateScoredPOP, LowRankPOP, LayerBandsPOP)
 }
 
 
@@ -114,6 +118,14 @@ def resolve_method(method: Method | str | None) -> Method:
 __all__ = [
     "BWAP",
     "BWAPPlan",
+    "BandAllocation",
+    "GateScoredPOP",
+    "GateScoredPlan",
+    "LayerBandsPOP",
+    "LayerBandsPlan",
+    "LowRankFactors",
+    "LowRankPOP",
+    "LowRankPlan",
     "ChannelSelection",
     "CATS",
     "CATSPlan",
@@ -129,6 +141,7 @@ __all__ = [
     "MethodError",
     "POP",
     "POPPlan",
+    "POPShardedPlan",
     "PrefillOnly",
     "PrefillOnlyPlan",
     "Plan",

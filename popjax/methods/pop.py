@@ -23,19 +23,28 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from .base import (
+    IN_BOUNDS,
+    TAKE_MODE,
     AggregatedPlan,
+    DensePlan,
+    MethodError,
     RatioMethod,
     activations,
     check_gamma,
     down_proj,
+    kept_channels,
+    prefill_importance,
     round_half_up,
     score_prompt,
     step_importance,
     take_channels,
     take_gate_up,
 )
+
+PARTITIONS = ("global", "per_shard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +100,89 @@ class POPPlan(AggregatedPlan):
 
 
 @dataclasses.dataclass(frozen=True)
+class POPShardedPlan(AggregatedPlan):
+    """POP with ``partition="per_shard"``: the f channels form ``shards`` contiguous blocks of
+    ``f/shards`` (on a mesh: the channel blocks the devices hold), and every block runs POP on
+    its own channels with its share of the budget — ``keep`` = n_keep/shards channels, m
+    candidates chosen per step among its own 2m. All sizes here are per shard; ``n_keep`` is
+    the total (shards·keep, within shards/2 of the global n_keep because of rounding).
+
+    Every ranking and every gather acts on a ``[shards, f/shards]`` view of the channel axis
+    (``lax.top_k`` along the block, ``take_along_axis`` within the block), so a block never reads
+    another block's weights or scores: under tensor parallelism nothing but activations travels.
+    State: ``retained_idx [S, n_R]``, ``candidate_idx [S, n_C]`` (global channel ids),
+    ``gate_up [2, S, n_R + n_C, d]``, ``down_retained [S, n_R, d]``, ``down_candidates [S, n_C, d]``,
+    ``down_norm_candidates [S, n_C]``."""
+
+    name: ClassVar[str] = "pop"
+    shards: int = 1
+    m: int = 0  # candidates selected per step, per shard
+
+    @property
+    def block(self) -> int:
+        return self.f // self.shards
+
+    @property
+    def n_retained(self) -> int:  # per shard
+        return self.n_keep // self.shards - self.m
+
+    @property
+    def n_candidates(self) -> int:  # per shard
+        return 2 * self.m
+
+    def _prefill(self, w, x, valid):
+        """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
+        S, block, keep = self.shards, self.block, self.n_keep // self.shards
+        n_r, n_c = self.n_retained, self.n_candidates
+        h = activations(w["gate_up"], x)  # [B, T, f]
+        importance = prefill_importance(h, valid, w["down_norm"])  # [f]
+        order = jax.lax.top_k(importance.reshape(S, block), block)[1]  # [S, block] ids within each block
+        rows = jnp.arange(S)[:, None]
+        kept = jnp.zeros((S, block), h.dtype).at[rows, order[:, :keep]].set(1, mode=IN_BOUNDS)
+        y = down_proj(h * kept.reshape(-1), w["down"])
+        live = order[:, : n_r + n_c]  # [S, n_R + n_C]
+        gate_up = w["gate_up"].reshape(2, S, block, -1)  # gate/up × block × channel
+        gate_up = jnp.take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
+        down = jnp.take_along_axis(w["down"].reshape(-1, S, block), live[None], axis=2, mode=TAKE_MODE)
+        down = jnp.transpose(down, (1, 2, 0))  # [S, n_R + n_C, d]: rows, so a step gathers contiguously
+        offset = rows * block
+        state = {
+            "retained_idx": order[:, :n_r] + offset,
+            "candidate_idx": order[:, n_r : n_r + n_c] + offset,
+            "gate_up": gate_up,
+            "down_retained": down[:, :n_r],
+            "down_candidates": down[:, n_r:],
+            "down_norm_candidates": jnp.take_along_axis(
+                w["down_norm"].reshape(S, block), order[:, n_r : n_r + n_c], axis=1, mode=TAKE_MODE
+            ),
+        }
+        return y, state, {"importance": importance}
+
+    def _decode(self, w, state, x, step, valid):
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [S, m]})."""
+        gu = jnp.einsum("btd,gskd->btgsk", x, state["gate_up"])
+        h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [B, 1, S, n_R + n_C]
+        h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
+        y = jnp.einsum("btsk,skd->btd", h_retained, state["down_retained"])
+        if self.m == 0:
+            return y, state, {}
+        hf = jnp.where(valid[..., None, None], h_candidates.astype(jnp.float32), 0.0)
+        scores = jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * state["down_norm_candidates"]  # [S, n_C]
+        top_scores, selected = jax.lax.top_k(scores, self.m)  # S_t per block, positions within its C
+        h_selected = jnp.take_along_axis(h_candidates, selected[None, None], axis=-1, mode=TAKE_MODE)
+        down_selected = jnp.take_along_axis(state["down_candidates"], selected[:, :, None], axis=1, mode=TAKE_MODE)
+        y = y + jnp.einsum("btsm,smd->btd", h_selected, down_selected)
+        selected_ids = jnp.take_along_axis(state["candidate_idx"], selected, axis=1, mode=TAKE_MODE)
+        return y, state, {"selected": selected_ids, "scores": top_scores}
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return self.shards * (4 * d * (self.n_retained + self.n_candidates)) + 2 * d * self.n_keep
+
+    def ffn_weights_read(self, d: int) -> int:
+        return self.shards * 2 * d * (self.n_retained + self.n_candidates) + d * self.n_keep
+
+
+@dataclasses.dataclass(frozen=True)
 class POP(RatioMethod):
     """Partition-guided Online Pruning: ``POP(ratio=0.2, gamma=0.1, aggregate="shared")``.
 
@@ -100,15 +192,50 @@ class POP(RatioMethod):
       gamma: width of the candidate band as a fraction of f, in [0, 1] (paper default 0.1).
       aggregate: "shared" (the paper: one partition and one selection per batch) or
         "per_sequence" (each sequence its own; results independent of batch composition).
+      partition: "global" (one ranking over all f channels; under tensor parallelism only scores
+        travel) or "per_shard" (the channels split into ``shards`` blocks, each ranking its own
+        and keeping n_keep/shards of them; see POPShardedPlan and docs/sharding.md).
+      shards: blocks of "per_shard" (must divide f); default: the size of the model's mesh
+        "model" axis, or 1 (= a global ranking) for an unsharded model.
     """
 
     name: ClassVar[str] = "pop"
     plan_class: ClassVar[type] = POPPlan
     gamma: float = dataclasses.field(default=0.1, kw_only=True)
+    partition: str = dataclasses.field(default="global", kw_only=True)
+    shards: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         check_gamma(self.gamma)
+        if self.partition not in PARTITIONS:
+            raise MethodError(f"partition={self.partition!r} is not one of {PARTITIONS}")
+        if self.shards is not None and (isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1):
+            raise MethodError(f"shards={self.shards!r} is invalid; use a positive integer that divides f")
+        if self.partition == "per_shard" and self.plan_class is not POPPlan:
+            raise MethodError(f"{self.name}: partition='per_shard' is implemented for 'pop' only")
+        if self.shards is not None and self.partition != "per_shard":
+            raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
+
+    def prepare(self, model) -> "POP":
+        """per_shard without ``shards`` takes the model mesh's "model" axis size."""
+        mesh = getattr(model, "mesh", None)
+        if self.partition == "per_shard" and self.shards is None and mesh is not None:
+            return dataclasses.replace(self, shards=dict(mesh.shape).get("model", 1))
+        return self
+
+    def bind(self, cfg):
+        if self.partition == "global":
+            return super().bind(cfg)
+        f, n_keep, shards = cfg.intermediate_size, kept_channels(cfg, self.ratio), self.shards or 1
+        if f % shards:
+            raise MethodError(f"shards={shards} does not divide the FFN width f={f}")
+        block = f // shards
+        keep = min(block, max(1, round_half_up(n_keep / shards)))
+        if n_keep == f or keep == block:
+            return DensePlan(f=f, n_keep=f)
+        m = min(round_half_up(self.gamma * block / 2), block - keep, keep)
+        return POPShardedPlan(f=f, n_keep=keep * shards, aggregate=self.aggregate, shards=shards, m=m)
 
     def plan_sizes(self, f: int, n_keep: int) -> dict[str, int]:
         return {"m": min(round_half_up(self.gamma * f / 2), f - n_keep, n_keep)}

@@ -1,0 +1,334 @@
+"""Mixture-of-experts FFN blocks: Qwen2-MoE, Qwen3-MoE and Mixtral (see docs/moe.md).
+
+Every FFN of a MoE model is stored as a stack of *blocks* of the expert width ``f_e``:
+
+* ``experts``  [E] routed experts: ``gate_up [E, 2f_e, d]`` (gate rows, then up rows),
+  ``down [E, d, f_e]``, ``down_norm [E, f_e]`` (‖W_d[:, j]‖₂, derived);
+* ``shared``   [n_s] always-active blocks: Qwen2-MoE's shared expert (width ``f_s``) split into
+  ``n_s = ⌈f_s / f_e⌉`` blocks of f_e channels (the last zero-padded), or the whole FFN of a dense
+  layer (``mlp_only_layers`` / ``decoder_sparse_step``) split the same way.
+
+Splitting an FFN into channel blocks is exact (its output is a sum over channels), and it lets one
+bound plan (``Method.bind`` sees one FFN width, ``ModelConfig.intermediate_size = f_e``) prune every
+FFN of the model with the same per-expert budget. Each block gets its own method state, stacked on
+a leading block axis, through ``jax.vmap`` (no Python loop over experts at run time).
+
+Channels of every block are stored sorted by a weight-only score (``channel_order`` maps stored
+positions back to HF channel ids), so a prompt-scored method's ranking of a block that no prompt
+token reached (all scores zero; ties go to the lower id) is the weight-only ranking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ConfigError
+from .layers import Derived, linear
+
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+EXPERT_ACTIVATIONS = ("silu",)  # gated SiLU experts, the only kind pruning is defined for
+# HF router fields some MoE families carry; anything but these values changes the routing.
+ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The MoE part of a ModelConfig (frozen, hashable: part of the jit static config)."""
+
+    num_experts: int  # E routed experts per sparse layer
+    top_k: int  # experts per token
+    expert_size: int  # f_e
+    dense_size: int  # FFN width of a layer without experts (HF intermediate_size)
+    shared_size: int = 0  # f_s of the shared expert, 0 = none
+    shared_gate: bool = False  # sigmoid(x · w_g) scales the shared expert (Qwen2-MoE)
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # layers with routed experts
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+    def always_width(self, layer: int) -> int:
+        """Width of the always-active FFN of a layer: the shared expert or the dense FFN."""
+        return self.shared_size if self.is_sparse(layer) else self.dense_size
+
+    def blocks(self, width: int) -> int:
+        return math.ceil(width / self.expert_size)
+
+    def activated_mlp_params(self, d: int, n_layers: int) -> int:
+        """FFN parameters a token activates, summed over layers: top-k experts + shared expert
+        in sparse layers, the dense FFN elsewhere (router and shared gate excluded)."""
+        total = 0
+        for layer in range(n_layers):
+            width = self.top_k * self.expert_size + self.shared_size if self.is_sparse(layer) else self.dense_size
+            total += 3 * d * width
+        return total
+
+    def hf_fields(self, model_type: str, n_layers: int) -> dict[str, Any]:
+        """HF config.json fields that `moe_from_hf` reads back to this config."""
+        out = {
+            "num_experts_per_tok": self.top_k,
+            "intermediate_size": self.expert_size if model_type == "mixtral" else self.dense_size,
+        }
+        if model_type == "mixtral":
+            return {**out, "num_local_experts": self.num_experts}
+        return {
+            **out,
+            "num_experts": self.num_experts,
+            "moe_intermediate_size": self.expert_size,
+            "shared_expert_intermediate_size": self.shared_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(n_layers) if i not in self.sparse_layers],
+        }
+
+
+def moe_from_hf(raw: Mapping[str, Any], model_type: str, n_layers: int) -> MoEConfig:
+    """The MoE fields of a HF config.json (Qwen2-MoE, Qwen3-MoE or Mixtral) -> MoEConfig."""
+    act = raw.get("hidden_act", "silu")
+    if act not in EXPERT_ACTIVATIONS:
+        raise ConfigError(f"expert type hidden_act={act!r} is not supported; supported: {list(EXPERT_ACTIVATIONS)}")
+    for key, allowed in ROUTER_FIELDS.items():
+        if key in raw and raw[key] not in allowed:
+            raise ConfigError(f"router type {key}={raw[key]!r} is not supported; supported: {list(allowed)}")
+    n_experts = raw.get("num_local_experts") if model_type == "mixtral" else None
+    n_experts = n_experts if n_experts is not None else raw.get("num_experts", raw.get("num_local_experts"))
+    top_k = raw.get("num_experts_per_tok")
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r} is invalid for {model_type}: give an integer ≥ 1")
+    if top_k > n_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={n_experts}: a token cannot pick more experts than exist")
+    dense = int(raw["intermediate_size"])
+    if model_type == "mixtral":
+        return MoEConfig(n_experts, top_k, dense, dense, norm_topk_prob=True, sparse_layers=tuple(range(n_layers)))
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    only = raw.get("mlp_only_layers") or []
+    bad = [i for i in only if not (isinstance(i, int) and 0 <= i < n_layers)]
+    if bad:
+        raise ConfigError(f"mlp_only_layers={only!r} holds {bad}, not layer indices in [0, {n_layers})")
+    sparse = tuple(i for i in range(n_layers) if i not in only and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0
+    return MoEConfig(
+        num_experts=n_experts,
+        top_k=top_k,
+        expert_size=int(raw["moe_intermediate_size"]),
+        dense_size=dense,
+        shared_size=shared,
+        shared_gate=shared > 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+# ---------------------------------------------------------------- weights
+
+
+class ExpertStack(nnx.Module):
+    """n FFN blocks of width f: gate_up [n, 2f, d], down [n, d, f], down_norm [n, f] (derived),
+    channel_order [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
+
+    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype):
+        self.gate_up = nnx.Param(jnp.zeros((n, 2 * f, d), dtype))
+        self.down = nnx.Param(jnp.zeros((n, d, f), dtype))
+        self.down_norm = Derived(jnp.zeros((n, f), jnp.float32))
+        self.channel_order = Derived(jnp.zeros((n, f), jnp.int32))
+
+    def finalize(self) -> None:
+        down = self.down[...].astype(jnp.float32)
+        self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=1))
+
+    def as_dict(self) -> dict[str, jax.Array]:
+        return {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
+
+
+class MoEWeights(nnx.Module):
+    """One layer's FFN in a MoE model: router [E, d] and routed ``experts`` (sparse layers),
+    ``shared`` always-active blocks and ``shared_gate`` [1, d] (Qwen2-MoE)."""
+
+    def __init__(self, cfg, dtype: jnp.dtype, layer: int):
+        moe, d = cfg.moe, cfg.hidden_size
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        if moe.is_sparse(layer):
+            self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype))
+            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype)
+        n_always = moe.blocks(moe.always_width(layer))
+        if n_always:
+            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype)
+            if moe.is_sparse(layer) and moe.shared_gate:
+                self.shared_gate = nnx.Param(jnp.zeros((1, d), dtype))
+
+    def finalize(self) -> None:
+        for name in ("experts", "shared"):
+            if hasattr(self, name):
+                getattr(self, name).finalize()
+
+
+def checkpoint_shapes(cfg, layer: int) -> dict[str, tuple[int, ...]]:
+    """Converted-checkpoint shapes (HF [out, in] layout, one entry per source tensor) of one
+    layer's MoE FFN, paths relative to ``layers.{layer}.mlp.``."""
+    moe, d, f = cfg.moe, cfg.hidden_size, cfg.moe.expert_size
+    if not moe.is_sparse(layer):
+        w = moe.dense_size
+        return {"gate": (w, d), "up": (w, d), "down": (d, w)}
+    shapes = {"router": (moe.num_experts, d)}
+    for e in range(moe.num_experts):
+        shapes.update({f"experts.{e}.gate": (f, d), f"experts.{e}.up": (f, d), f"experts.{e}.down": (d, f)})
+    if moe.shared_size:
+        s = moe.shared_size
+        shapes.update({"shared.gate": (s, d), "shared.up": (s, d), "shared.down": (d, s)})
+        if moe.shared_gate:
+            shapes["shared_gate"] = (1, d)
+    return shapes
+
+
+def weight_only_score(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """‖W_g[j]‖₂ · ‖W_u[j]‖₂ · ‖W_d[:, j]‖₂ per channel ([f, d], [f, d], [d, f] -> [f] float64):
+    the scale of |H_j|·‖W_d[:, j]‖₂ for an input of unit-scale features, without any input."""
+    norm = lambda a, axis: np.sqrt(np.sum(np.asarray(a, np.float64) ** 2, axis=axis))
+    return norm(gate, 1) * norm(up, 1) * norm(down, 0)
+
+
+def stack_blocks(gate: np.ndarray, up: np.ndarray, down: np.ndarray, f: int) -> dict[str, np.ndarray]:
+    """One FFN ([w, d], [w, d], [d, w]) -> ⌈w/f⌉ blocks of f channels, each sorted by decreasing
+    weight-only score (ties: lower HF id first; zero padding last):
+    {"gate_up": [n, 2f, d], "down": [n, d, f], "channel_order": [n, f] int32 (-1 = padding)}."""
+    w, d = gate.shape
+    n = math.ceil(w / f)
+    pad = n * f - w
+    ids = np.concatenate([np.arange(w), -np.ones(pad, np.int64)]).reshape(n, f)
+    gate = np.concatenate([gate, np.zeros((pad, d), gate.dtype)]).reshape(n, f, d)
+    up = np.concatenate([up, np.zeros((pad, d), up.dtype)]).reshape(n, f, d)
+    down = np.concatenate([down, np.zeros((d, pad), down.dtype)], axis=1).reshape(d, n, f).transpose(1, 0, 2)
+    out = {"gate_up": [], "down": [], "channel_order": []}
+    for b in range(n):
+        score = weight_only_score(gate[b], up[b], down[b])
+        order = np.lexsort((np.arange(f), -score))  # decreasing score, then increasing position
+        out["gate_up"].append(np.concatenate([gate[b][order], up[b][order]]))
+        out["down"].append(down[b][:, order])
+        out["channel_order"].append(ids[b][order])
+    return {k: np.stack(v).astype(np.int32 if k == "channel_order" else gate.dtype) for k, v in out.items()}
+
+
+def fuse_layer(cfg, layer: int, mlp: Mapping[str, Any]) -> dict[str, Any]:
+    """Converted tree of one layer's FFN (HF layout, see `checkpoint_shapes`) -> MoEWeights tree."""
+    f = cfg.moe.expert_size
+    if not cfg.moe.is_sparse(layer):
+        return {"shared": stack_blocks(mlp["gate"], mlp["up"], mlp["down"], f)}
+    experts = [mlp["experts"][str(e)] for e in range(cfg.moe.num_experts)]
+    blocks = [stack_blocks(e["gate"], e["up"], e["down"], f) for e in experts]
+    out = {"router": mlp["router"], "experts": {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}}
+    if "shared" in mlp:
+        out["shared"] = stack_blocks(mlp["shared"]["gate"], mlp["shared"]["up"], mlp["shared"]["down"], f)
+    if "shared_gate" in mlp:
+        out["shared_gate"] = mlp["shared_gate"]
+    return out
+
+
+# ---------------------------------------------------------------- forward
+
+MLPFn = Callable[..., tuple[jax.Array, Any, Any]]
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """HF top-k routing: softmax over all E logits in fp32, the top k, optionally renormalised
+    (Mixtral always: = softmax over the top-k logits). x [B, T, d], router [E, d] ->
+    (weights [B, T, k] in x's dtype, expert ids [B, T, k] int32)."""
+    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def _run(mlp_fn: MLPFn, stack: dict[str, jax.Array], layer, state, x, routed=None):
+    """The method on every block of a stack through vmap: (y [n, B, T, d], state [n, ...], aux [n, ...]).
+    ``routed`` [n, B, T] (routed experts) is passed on as the 4th argument, which the engine
+    ANDs into ``valid``; always-active blocks call mlp_fn with three arguments."""
+
+    def one(w, s, r):
+        w = {**w, "layer": layer}
+        return mlp_fn(w, s, x) if r is None else mlp_fn(w, s, x, r)
+
+    return jax.vmap(one)(stack, state, routed)
+
+
+def _keeps_state_shape(mlp_fn, stack, layer, state, x, routed) -> bool:
+    """Whether the method returns a state shaped like the one it got (decode), as opposed to
+    building one (prefill, or a boundary step that prefills one token): only then may a step run
+    on a subset of the experts and leave the others' states as they are."""
+    one = lambda a: a[0]
+    out = jax.eval_shape(
+        lambda w, s: mlp_fn({**w, "layer": layer}, s, x, routed[0]),
+        jax.tree_util.tree_map(one, stack), jax.tree_util.tree_map(one, state),
+    )[1]
+    given = [(a.shape[1:], a.dtype) for a in jax.tree_util.tree_leaves(state)]
+    returned = [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(out)]
+    return jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(out) and given == returned
+
+
+def _routed_experts(mlp_fn, stack, layer, state, x, weights, ids, n_experts: int, dispatch: str):
+    """The routed experts -> (y [B, T, d], state [E, ...], aux [E, ...]).
+
+    "dense": every expert runs on every token with ``routed`` marking its tokens, combined with
+    the router weights (0 for the unrouted). "gather" (decode): only the U = min(E, B·T·k)
+    distinct experts the step routed to run; their states are gathered and written back, and a
+    leaf the method returned unchanged (POP's partition) is not written at all."""
+    one_hot = ids[..., None] == jnp.arange(n_experts)  # [B, T, k, E]
+    if dispatch == "dense":
+        routed = jnp.moveaxis(jnp.any(one_hot, axis=-2), -1, 0)  # [E, B, T]
+        y, state, aux = _run(mlp_fn, stack, layer, state, x, routed)
+        combine = jnp.sum(jnp.where(one_hot, weights[..., None], 0), axis=-2)  # [B, T, E]
+        return jnp.einsum("ebtd,bte->btd", y, combine.astype(y.dtype)), state, aux
+    slots = min(n_experts, ids.size)
+    chosen = jnp.unique(ids.reshape(-1), size=slots, fill_value=n_experts)  # [U]; E marks an empty slot
+    hits = ids[..., None] == chosen  # [B, T, k, U]
+    routed = jnp.moveaxis(jnp.any(hits, axis=-2), -1, 0)  # [U, B, T]
+    take = lambda a: jnp.take(a, chosen, axis=0, mode="clip")
+    sub_state = jax.tree_util.tree_map(take, state)
+    y, new_state, aux = _run(mlp_fn, jax.tree_util.tree_map(take, stack), layer, sub_state, x, routed)
+    combine = jnp.sum(jnp.where(hits, weights[..., None], 0), axis=-2)  # [B, T, U]
+    write = lambda full, old, new: full if new is old else full.at[chosen].set(new, mode="drop")
+    state = jax.tree_util.tree_map(write, state, sub_state, new_state)
+    scatter = lambda a: jnp.zeros((n_experts, *a.shape[1:]), a.dtype).at[chosen].set(a, mode="drop")
+    return jnp.einsum("ubtd,btu->btd", y, combine.astype(y.dtype)), state, jax.tree_util.tree_map(scatter, aux)
+
+
+def moe_mlp(mlp: MoEWeights, mlp_fn: MLPFn, state: Any, x: jax.Array, layer: jax.Array, dispatch: str = "auto"):
+    """One layer's MoE FFN under the pruning method ``mlp_fn`` -> (y [B, T, d], state, aux).
+
+    ``state`` is None (prefill) or {"experts": [E, ...], "shared": [n_s, ...]}. ``aux`` holds the
+    method's aux per block ("experts" [E, ...], "shared" [n_s, ...]) and the router's choices
+    ("router_topk" [B, T, k]). ``dispatch`` "auto" gathers the routed experts in a decode step
+    (T = 1) when fewer than E are routed, and runs all experts densely otherwise."""
+    state = {} if state is None else state
+    new_state, aux = {}, {}
+    y = jnp.zeros_like(x)
+    if hasattr(mlp, "router"):
+        weights, ids = route(x, mlp.router[...], mlp.top_k, mlp.norm_topk_prob)
+        stack, n_experts = mlp.experts.as_dict(), mlp.router.shape[0]
+        expert_state = state.get("experts")
+        mode = dispatch
+        if mode == "auto":
+            mode = "dense"
+            if x.shape[1] == 1 and ids.size < n_experts:
+                routed = jnp.zeros((n_experts, *x.shape[:2]), bool)
+                mode = "gather" if _keeps_state_shape(mlp_fn, stack, layer, expert_state, x, routed) else "dense"
+        y_e, new_state["experts"], aux["experts"] = _routed_experts(
+            mlp_fn, stack, layer, expert_state, x, weights, ids, n_experts, mode
+        )
+        y = y + y_e
+        aux["router_topk"] = ids
+    if hasattr(mlp, "shared"):
+        y_s, new_state["shared"], aux["shared"] = _run(mlp_fn, mlp.shared.as_dict(), layer, state.get("shared"), x)
+        y_s = jnp.sum(y_s, axis=0)
+        if hasattr(mlp, "shared_gate"):
+            y_s = jax.nn.sigmoid(linear(x, mlp.shared_gate[...])) * y_s
+        y = y + y_s
+    return y, new_state, aux

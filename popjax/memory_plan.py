@@ -1,0 +1,237 @@
+"""``popjax plan``: what a model, mesh, batch, context and method need per device, from XLA itself.
+
+The engine's own programs are lowered and compiled ahead of time against abstract, sharded
+shapes (``sharding.abstract_params``: no weight is allocated): ``engine.start`` (prefill plus the
+first token; it allocates the full-capacity KV cache) and ``engine.decode_loop`` (its carry
+donated, as generation runs it). XLA's memory analysis gives per-device bytes of arguments,
+outputs and temporaries; the carry's own shardings (as XLA assigned them) split it into KV cache
+and method state. One decode step (``engine.stream_step``) gives FLOPs and bytes accessed from
+XLA's cost analysis. Analytic figures stand next to them: weights / model-axis size, the KV
+formula 2·L·B·S·kv_dim·itemsize / (data · model), and `bench.bytes_per_step`.
+
+Published configs ship as small JSON files in ``popjax/configs/`` (HF ``config.json`` fields);
+any HF ``config.json`` path works as well. On CPU a mesh larger than the visible devices needs
+fake devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``); the CLI re-runs itself
+with that flag set, since XLA reads it only at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .models.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+GiB = 1024**3
+
+
+def published_configs() -> list[str]:
+    """Names of the shipped configs (``popjax/configs/*.json``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def resolve_config(model: str) -> ModelConfig:
+    """A published config name or a path to an HF ``config.json`` -> ModelConfig (ConfigError
+    names an unsupported architecture)."""
+    path = CONFIG_DIR / f"{model}.json"
+    if not path.is_file():
+        path = Path(model)
+        if not path.is_file():
+            raise ValueError(f"model {model!r} is neither a published config {published_configs()} nor a config.json file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    return ModelConfig.from_hf_dict(raw)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"1x8" -> (1, 8): (data, model)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"mesh {text!r} must be DATAxMODEL with positive integers, e.g. 1x8 or 2x4")
+    return int(parts[0]), int(parts[1])
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Per-device bytes of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    return {f.replace("_size_in_bytes", ""): int(getattr(m, f)) for f in fields}
+
+
+def _cost(compiled) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt: int | None = None,
+                dtype: str = "bfloat16") -> dict[str, Any]:
+    """Per-device memory and per-step cost of generating with ``method`` on ``mesh``.
+
+    ``context`` is the KV-cache capacity (prompt + generated tokens, an engine capacity bucket);
+    ``prompt`` the prefill length (default ``context // 2``). Returns a JSON-ready dict."""
+    from flax import nnx
+
+    from . import engine, sharding
+    from .bench import bytes_per_step
+    from .loading import _abstract_model
+    from .generation import MAX_STOP_IDS
+    from .sampling import SamplingParams
+
+    if batch < 1 or context < 2:
+        raise ValueError(f"batch={batch} must be ≥ 1 and context={context} ≥ 2")
+    prompt = context // 2 if prompt is None else prompt
+    if not 1 <= prompt < context:
+        raise ValueError(f"prompt={prompt} must be in [1, context={context})")
+    capacity = engine.bucket_for(context - prompt, engine.CAPACITY_BUCKETS, "context - prompt")
+    sharding.check_mesh(cfg, mesh)
+    sharding.check_batch(batch, mesh)
+    with jax.set_mesh(mesh):  # a per-shard partition takes its shard count from the mesh
+        plan = method.bind(cfg)
+    graphdef, _ = nnx.split(_abstract_model(cfg, jnp.dtype(dtype)))
+    params = sharding.abstract_params(cfg, mesh, dtype)
+    rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
+    replicated = sharding.NamedSharding(mesh, sharding.PartitionSpec())
+    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
+    sampling = SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
+    stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    with jax.set_mesh(mesh):
+        lowered = engine.start.lower(graphdef, params, plan, tokens, tokens, key, sampling, stops, scalar(jnp.int32),
+                                     capacity=capacity)
+        start = lowered.compile()
+        # the carry as decode receives it: start's output shapes in the shardings XLA gave them
+        carry = _with_shardings(lowered.out_info[0], start.output_shardings[0])
+        loop = engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
+                                        scalar(jnp.int32), capacity=capacity).compile()
+        step = engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, scalar(jnp.int32)).compile()
+    itemsize = jnp.dtype(dtype).itemsize
+    data, model_axis = mesh.shape["data"], mesh.shape["model"]
+    kv_heads_split = model_axis if cfg.num_key_value_heads % model_axis == 0 else 1
+    slots = carry.state.key_valid.shape[1]
+    xla = {
+        "weights": _shard_bytes(params),
+        "kv_cache": _shard_bytes(carry.state.caches),
+        "method_state": _shard_bytes(carry.state.method_states),
+        "prefill": _memory(start),
+        "decode": _memory(loop),
+    }
+    xla["decode_peak"] = xla["decode"]["argument"] + xla["decode"]["output"] - xla["decode"]["alias"] + xla["decode"]["temp"]
+    xla["prefill_peak"] = xla["prefill"]["argument"] + xla["prefill"]["output"] - xla["prefill"]["alias"] + xla["prefill"]["temp"]
+    n_params = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
+    analytic = {
+        "weights": n_params * itemsize // model_axis,
+        "kv_cache": 2 * cfg.num_hidden_layers * batch * slots * cfg.kv_dim * itemsize // (min(data, batch) * kv_heads_split),
+        "bytes_per_decode_step": bytes_per_step(cfg, plan, batch, slots, itemsize),
+        "flops_per_decode_step": 2 * n_params * batch,
+    }
+    return {
+        "model": cfg.model_type, "layers": cfg.num_hidden_layers, "mesh": {"data": data, "model": model_axis},
+        "devices": data * model_axis, "batch": batch, "context": context, "prompt": prompt, "cache_slots": slots,
+        "dtype": dtype, "method": repr(method), "plan": type(plan).__name__,
+        "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": _cost(step),
+    }
+
+
+def fits(plan: dict[str, Any], device_bytes: int) -> bool:
+    """Whether the larger of the prefill and decode peaks fits in ``device_bytes``."""
+    x = plan["xla_per_device"]
+    return max(x["prefill_peak"], x["decode_peak"]) <= device_bytes
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """A human-readable table (GiB per device)."""
+    x, a = p["xla_per_device"], p["analytic_per_device"]
+    g = lambda b: f"{b / GiB:8.3f}"  # noqa: E731
+    lines = [
+        f"{p['model']} ({p['layers']} layers), {p['dtype']}, mesh data={p['mesh']['data']} × model={p['mesh']['model']}, "
+        f"batch {p['batch']}, context {p['context']} (prompt {p['prompt']}, {p['cache_slots']} cache slots), {p['method']}",
+        "per device (GiB)           XLA   analytic",
+        f"  weights            {g(x['weights'])}   {g(a['weights'])}",
+        f"  KV cache           {g(x['kv_cache'])}   {g(a['kv_cache'])}",
+        f"  method state       {g(x['method_state'])}",
+        f"  prefill temps      {g(x['prefill']['temp'])}",
+        f"  decode temps       {g(x['decode']['temp'])}",
+        f"  prefill peak       {g(x['prefill_peak'])}",
+        f"  decode peak        {g(x['decode_peak'])}",
+        f"decode step: XLA {p['decode_step_cost']['flops'] / 1e9:.2f} GFLOP, {p['decode_step_cost']['bytes_accessed'] / GiB:.3f} GiB "
+        f"accessed per device; analytic (whole model) {a['flops_per_decode_step'] / 1e9:.2f} GFLOP, "
+        f"{a['bytes_per_decode_step'] / GiB:.3f} GiB",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ CLI
+
+DEVICES = {"tpu-v5e": 16 * GiB, "h100": 80 * GiB}  # per-chip memory of the targets the docs discuss
+
+
+def register_cli(sub) -> None:
+    from .cli import add_method_args
+
+    p = sub.add_parser("plan", help="per-device memory and decode cost of a model/mesh/method, from XLA (no weights)")
+    p.add_argument("--model", required=True, help=f"a published config {published_configs()} or a config.json path")
+    p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices, e.g. 1x8 (fake CPU devices are made as needed)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096, help="KV-cache capacity: prompt + generated tokens")
+    p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2)")
+    p.add_argument("--dtype", default="bfloat16")
+    add_method_args(p)
+    p.add_argument("--json", default=None, help="write the plan here")
+    p.set_defaults(run=_cmd_plan)
+
+
+def _cmd_plan(args) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .cli import method_from_args
+
+    data, model_axis = parse_mesh(args.mesh)
+    cfg = resolve_config(args.model)  # validate before any device work
+    method = method_from_args(args)
+    if jax.device_count() < data * model_axis:
+        if os.environ.get("POPJAX_PLAN_CHILD") or jax.default_backend() != "cpu":
+            raise ValueError(f"mesh {args.mesh} needs {data * model_axis} devices; {jax.device_count()} are available")
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={data * model_axis}".strip()
+        env = dict(os.environ, POPJAX_PLAN_CHILD="1", XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+        argv = sys.argv[1:] if sys.argv[1:2] == ["plan"] else ["plan", *sys.argv[sys.argv.index("plan") + 1:]]
+        code = subprocess.call([sys.executable, "-m", "popjax.cli", *argv], env=env)
+        if code:
+            raise SystemExit(code)
+        return
+    from .bench import write_json_atomic
+    from .sharding import make_mesh
+
+    mesh = make_mesh((data, model_axis))
+    plan = memory_plan(cfg, mesh, method, args.batch, args.context, args.prompt, args.dtype)
+    plan["fits"] = {name: fits(plan, size) for name, size in DEVICES.items()}
+    print(format_plan(plan))
+    print("fits: " + ", ".join(f"{name} ({size // GiB} GiB): {'yes' if ok else 'no'}"
+                               for (name, size), ok in zip(DEVICES.items(), plan["fits"].values())))
+    if args.json:
+        write_json_atomic(Path(args.json), plan)

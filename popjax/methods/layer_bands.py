@@ -1,0 +1,248 @@
+"""Per-layer bands: POP with a candidate band per layer, wider where the channel ranking drifts
+more, under POP's total byte budget (issue 15; docs/frontier_methods.md §3).
+
+**Drift** of a prompt at a layer (prefill statistics only): split each sequence's valid tokens
+into its first and second half (token p of n is in the first half when 2p < n), score
+``I^A``, ``I^B`` (POP's metric, SPEC §2) on each half, and
+
+    drift = 1 − |top_{n_keep}(I^A) ∩ top_{n_keep}(I^B)| / n_keep  ∈ [0, 1]
+
+the fraction of the kept set that changes within the prompt, a proxy for how far decode steps
+will move from the prompt's partition.
+
+**Allocation** (`allocate_bands`): budget ``Σ_l m_l ≤ L·m`` with POP's m at the same γ, so the
+total FFN weights read, ``Σ_l (3d·n_keep + 2d·m_l)``, never exceeds POP's. Widths come from a
+small static set ``{min(round(c·m), f − n_keep, n_keep) : c ∈ levels}``; every layer starts at the
+narrowest, then the layer furthest below its proportional target ``L·m·D_l/Σ D`` (ties: lower
+layer) moves up one width while the budget allows. Equal drifts give POP's uniform bands.
+
+**Where the drift comes from.** A per-prompt allocation needs every layer's drift before any
+layer's band is fixed, and the method interface sees one layer at a time (no hook after the
+prefill of all layers). So `prepare` measures the mean drift per layer over the calibration
+corpus (each window is one prompt; popjax.calibration, cached) and fixes the bands per model.
+The prompt's own drift is still reported as the prefill aux ``drift``.
+
+**Static shapes.** The state holds the top ``n_keep + m_max`` channels (m_max = widest band),
+their gate/up rows ``[n, 2, d]`` and down rows ``[n, d]``, ordered by prefill rank. Decode runs
+``lax.switch`` over one branch per distinct width; branch m_l reads the static prefix of
+``n_keep + m_l`` rows (R = first n_keep − m_l, C = next 2m_l) and top-k's inside its band. The
+switch index is a per-layer constant (from ``w["layer"]``), so each layer executes one branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..calibration import Statistic, calibrate
+from ..models.config import ModelConfig
+from .base import AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_gamma, down_proj
+from .base import kept_channels, prefill_importance, round_half_up, score_prompt, take_channels, take_gate_up
+
+DEFAULT_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def prompt_drift(h: jax.Array, valid: jax.Array, down_norm: jax.Array, n_keep: int) -> jax.Array:
+    """1 − |top_n_keep(I^A) ∩ top_n_keep(I^B)| / n_keep over the batch's first/second halves:
+    h [B, T, f], valid [B, T] -> fp32 scalar."""
+    pos = jnp.cumsum(valid, axis=1) - 1
+    first = valid & (2 * pos < jnp.sum(valid, axis=1, keepdims=True))
+    halves = [prefill_importance(h, v, down_norm) for v in (first, valid & ~first)]
+    kept = [jnp.zeros(h.shape[-1], jnp.int32).at[jax.lax.top_k(i, n_keep)[1]].set(1) for i in halves]
+    return 1.0 - jnp.sum(kept[0] * kept[1]).astype(jnp.float32) / n_keep
+
+
+@dataclasses.dataclass(frozen=True)
+class BandDrift(Statistic):
+    """Σ over calibration windows of each window's `prompt_drift`, and the window count."""
+
+    name: ClassVar[str] = "band_drift"
+    version: ClassVar[int] = 1
+    n_keep: int = 1
+
+    def collect(self, w, x, valid, h):
+        one = lambda hb, vb: prompt_drift(hb[None], vb[None], w["down_norm"], self.n_keep)
+        drift = jax.vmap(one)(h, valid)  # [B]
+        has = jnp.any(valid, axis=1)
+        return {"drift": jnp.sum(jnp.where(has, drift, 0.0)), "prompts": jnp.sum(has)}
+
+
+def band_widths(m: int, cap: int, levels: tuple[float, ...]) -> tuple[int, ...]:
+    """The distinct band widths (ascending) of ``levels`` × m, clamped to ``cap``."""
+    return tuple(sorted({min(round_half_up(c * m), cap) for c in levels}))
+
+
+def allocate_bands(drift, m: int, cap: int, levels: tuple[float, ...] = DEFAULT_LEVELS) -> tuple[int, ...]:
+    """Per-layer selected counts m_l with Σ m_l ≤ L·m, wider where ``drift`` [L] is larger (see
+    the module docstring)."""
+    drift = np.asarray(drift, np.float64)
+    widths = band_widths(m, cap, levels)
+    L, budget = len(drift), len(drift) * m
+    target = np.full(L, float(m)) if drift.sum() <= 0 else budget * drift / drift.sum()
+    level = np.zeros(L, int)
+    spent = L * widths[0]
+    while True:
+        fits = [l for l in range(L) if level[l] + 1 < len(widths) and spent + widths[level[l] + 1] - widths[level[l]] <= budget]
+        if not fits:
+            break
+        l = max(fits, key=lambda i: (target[i] - widths[level[i]], -i))
+        spent += widths[level[l] + 1] - widths[level[l]]
+        level[l] += 1
+    return tuple(int(widths[k]) for k in level)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandAllocation:
+    """Per-layer band widths m_l and the mean drift they came from (hashable plan data)."""
+
+    bands: tuple[int, ...]
+    drift: tuple[float, ...] = ()
+    source: str = ""
+
+    def __repr__(self) -> str:
+        return f"BandAllocation(bands={list(self.bands)}, from {self.source!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBandsPlan(AggregatedPlan):
+    name: ClassVar[str] = "pop-bands"
+    m: int = 0  # POP's per-layer m at this γ: the budget is L·m
+    bands: tuple[int, ...] = ()  # m_l per layer
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.bands)))
+
+    @property
+    def m_max(self) -> int:
+        return max(self.bands)
+
+    def _prefill(self, w, x, valid):
+        """x [B, T, d], valid [B, T] -> (y [B, T, d], state, {"importance": [f], "drift": []})."""
+        y, order, importance = score_prompt(w, x, valid, self.n_keep)
+        kept = order[: self.n_keep + self.m_max]
+        gate_up = take_gate_up(w["gate_up"], kept)  # [2n, d]
+        n = kept.shape[0]
+        state = {
+            "kept_idx": kept,  # [n_keep + m_max], by decreasing prompt importance
+            "gate_up": jnp.stack([gate_up[:n], gate_up[n:]], axis=1),  # [n, 2, d]
+            "down_rows": take_channels(w["down"], kept, axis=1).T,  # [n, d]
+            "down_norm": take_channels(w["down_norm"], kept, axis=0),  # [n]
+        }
+        h = activations(w["gate_up"], x)  # XLA shares it with score_prompt's
+        return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w["down_norm"], self.n_keep)}
+
+    def _branch(self, m_l: int):
+        """The decode of a layer whose band selects m_l of 2·m_l candidates."""
+
+        def run(state, x, valid):
+            n_r, rows = self.n_keep - m_l, self.n_keep + m_l
+            gu = jnp.einsum("bsd,nkd->bsnk", x, state["gate_up"][:rows])  # static prefix only
+            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
+            y = h[..., :n_r] @ state["down_rows"][:n_r]
+            selected = jnp.full((self.m_max,), -1, jnp.int32)
+            if m_l:
+                h_c = h[..., n_r:]
+                scores = prefill_importance(h_c, valid, state["down_norm"][n_r:rows])
+                pick = jax.lax.top_k(scores, m_l)[1]
+                y = y + take_channels(h_c, pick, axis=-1) @ take_channels(state["down_rows"][n_r:rows], pick, axis=0)
+                selected = selected.at[:m_l].set(take_channels(state["kept_idx"][n_r:rows], pick, axis=0))
+            return y, {"band": jnp.int32(m_l), "selected": selected}
+
+        return run
+
+    def _decode(self, w, state, x, step, valid):
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"band": [], "selected": [m_max] (−1 pads)})."""
+        widths = self.widths
+        level = jnp.asarray([widths.index(b) for b in self.bands], jnp.int32)[w["layer"]]
+        y, aux = jax.lax.switch(level, [self._branch(m_l) for m_l in widths], state, x, valid)
+        return y, state, aux
+
+    def ffn_weights_read_per_layer(self, d: int) -> tuple[int, ...]:
+        return tuple(3 * d * self.n_keep + 2 * d * m_l for m_l in self.bands)
+
+    def ffn_weights_read(self, d: int) -> int:
+        """The mean over layers (the total is at most POP's at the same γ)."""
+        return round_half_up(float(np.mean(self.ffn_weights_read_per_layer(d))))
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return round_half_up(float(np.mean([6 * d * self.n_keep + 4 * d * m_l for m_l in self.bands])))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBandsPOP(RatioMethod):
+    """POP with per-layer bands under POP's byte budget: ``LayerBandsPOP(ratio=0.2, gamma=0.1,
+    levels=DEFAULT_LEVELS, aggregate="shared" | "per_sequence")``; ``prepare(model)`` measures
+    the drift on the calibration corpus and allocates the bands (cached).
+
+    Args:
+      ratio, gamma, aggregate: as POP; γ sets the budget (POP's bytes at this γ).
+      levels: band widths as multiples of POP's m (a small static set; one must be ≤ 1).
+      allocation: the per-layer bands (`BandAllocation`; from ``prepare`` or `allocate_bands`).
+    """
+
+    name: ClassVar[str] = "pop-bands"
+    plan_class: ClassVar[type] = LayerBandsPlan
+    gamma: float = dataclasses.field(default=0.1, kw_only=True)
+    levels: tuple[float, ...] = dataclasses.field(default=DEFAULT_LEVELS, kw_only=True)
+    allocation: BandAllocation | None = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_gamma(self.gamma)
+        levels = self.levels
+        if not (isinstance(levels, tuple) and levels and all(isinstance(c, (int, float)) and c >= 0 for c in levels)):
+            raise MethodError(f"levels={levels!r} must be a non-empty tuple of multiples of m, each ≥ 0")
+        if min(levels) > 1:
+            raise MethodError(f"levels={levels!r} has no multiple ≤ 1, so no allocation meets POP's budget")
+        if self.allocation is not None and not isinstance(self.allocation, BandAllocation):
+            raise MethodError(f"allocation={self.allocation!r} is not a BandAllocation (use prepare(model))")
+
+    def sizes(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        """-> (n_keep, POP's m, the cap f − n_keep, n_keep on any band)."""
+        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
+        cap = min(f - n_keep, n_keep)
+        return n_keep, min(round_half_up(self.gamma * f / 2), cap), cap
+
+    def with_drift(self, drift, source: str = "") -> "LayerBandsPOP":
+        """A copy whose bands are allocated from a per-layer drift [L] (`allocate_bands`)."""
+        raise_if_bad = np.asarray(drift, np.float64)
+        if raise_if_bad.ndim != 1 or not np.all(np.isfinite(raise_if_bad)) or np.any(raise_if_bad < 0):
+            raise MethodError(f"drift={drift!r} must be a finite, non-negative vector [L]")
+        return dataclasses.replace(self, allocation=BandAllocation((), tuple(map(float, raise_if_bad)), source))
+
+    def prepare(self, model, **calibrate_kwargs) -> "LayerBandsPOP":
+        """Ready for ``model``: mean prompt drift per layer on the calibration corpus (cached)."""
+        if self.allocation is not None:
+            return self
+        n_keep, _, _ = self.sizes(model.config)
+        if n_keep == model.config.intermediate_size:
+            return self  # binds to the dense plan
+        sums = calibrate(model, BandDrift(n_keep=n_keep), **calibrate_kwargs)
+        drift = np.asarray(sums["drift"], np.float64) / np.maximum(np.asarray(sums["prompts"]), 1)
+        return self.with_drift(drift, f"{model.source} / calibration corpus")
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        f = cfg.intermediate_size
+        n_keep, m, cap = self.sizes(cfg)
+        if n_keep == f:
+            return DensePlan(f=f, n_keep=f)
+        if self.allocation is None:
+            raise MethodError("LayerBandsPOP has no band allocation: use LayerBandsPOP(...).prepare(model) first")
+        bands = self.allocation.bands
+        if not bands:  # drift given, bands not yet allocated for this model's sizes
+            if len(self.allocation.drift) != cfg.num_hidden_layers:
+                raise MethodError(
+                    f"drift has {len(self.allocation.drift)} layers, the model has {cfg.num_hidden_layers}"
+                )
+            bands = allocate_bands(self.allocation.drift, m, cap, self.levels)
+        if len(bands) != cfg.num_hidden_layers or sum(bands) > cfg.num_hidden_layers * m or max(bands) > cap:
+            raise MethodError(
+                f"bands {list(bands)} do not fit this model: need {cfg.num_hidden_layers} layers, "
+                f"Σ m_l ≤ L·m = {cfg.num_hidden_layers * m} (POP's budget at gamma={self.gamma}), each ≤ {cap}"
+            )
+        return LayerBandsPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, m=m, bands=tuple(bands))

@@ -1,0 +1,280 @@
+"""Scale-out: logical axes for every array, one rules table mapping them to a device mesh.
+
+Every parameter, KV cache and method-state leaf names its dimensions with *logical* axes
+(``vocab``, ``embed``, ``mlp`` ...). ``RULES`` maps each logical axis to a mesh axis (``"data"``
+or ``"model"``) or to ``None`` (replicated). The same table gives the shardings of a loaded model
+(``shard_params``, ``popjax.load(mesh=...)``), of abstract shapes for ahead-of-time compiles
+(``abstract_params``: what a memory plan lowers against, no weights allocated), and of the
+caches and states the engine creates (``constrain``, a no-op without an active mesh, so the
+single-device path compiles exactly as before).
+
+Fused matrices. ``attn.qkv`` ([q_dim + 2·kv_dim, d]) and ``mlp.gate_up`` ([2f, d], gate rows
+then up rows) keep the layout every method reads and are sharded as contiguous row blocks over
+``model``. A contiguous block of a gate-then-up matrix holds gate rows *or* up rows, so a device
+never holds a channel's gate and up row together; XLA pairs them by moving *activations*
+(collective-permutes of [B, T, f/n]) — never weights. Views that would colocate them
+(``[2, f, d]`` sharded on f, or rows interleaved per shard and un-interleaved for the methods)
+were measured to make XLA re-shard the weights with an all-to-all at every step (see
+docs/sharding.md), because every method reads ``gate_up`` as one ``[2f, d]`` matrix.
+POP's ``partition="per_shard"`` gathers its compact blocks through a ``[2, n, f/n, d]`` view whose
+blocks are exactly the devices' row blocks, so those gathers stay local.
+
+Mesh axes: ``data`` (batch) × ``model`` (heads, FFN channels, vocabulary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from .loading import LoadedModel
+
+MESH_AXES = ("data", "model")
+
+# Logical axis -> mesh axis (None: replicated). The one place that decides what is split where.
+RULES: dict[str, str | None] = {
+    "batch": "data",  # rows of a batch (KV caches, per-sequence method states, tokens)
+    "cache_len": None,  # cache slots
+    "vocab": "model",  # embedding / LM-head rows
+    "embed": None,  # the hidden size d
+    "heads": "model",  # query heads (o's input columns)
+    "kv_heads": "model",  # KV heads of the caches
+    "head_dim": None,
+    "qkv": "model",  # fused q/k/v rows (contiguous blocks; needs heads and kv_heads divisible)
+    "kv": "model",  # fused k/v rows of a calibrated prefill projection
+    "mlp": "model",  # FFN channels (down's columns, ‖W_d[:, j]‖₂)
+    "mlp_fused": "model",  # gate_up rows (gate rows then up rows, contiguous blocks)
+    "mlp_shard": "model",  # the [n_shards] axis of POP's per-shard partition state
+    "norm": None,  # RMSNorm scales
+}
+
+# Parameter path (dots, layer index as \d+) -> logical axes of its dimensions.
+PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"embed", ("vocab", "embed")),
+    (r"lm_head", ("vocab", "embed")),
+    (r"final_norm\.weight", ("norm",)),
+    (r"layers\.\d+\.(attn_norm|mlp_norm)\.weight", ("norm",)),
+    (r"layers\.\d+\.attn\.qkv", ("qkv", "embed")),
+    (r"layers\.\d+\.attn\.qkv_bias", ("qkv",)),
+    (r"layers\.\d+\.attn\.o", ("embed", "heads")),
+    (r"layers\.\d+\.attn\.(q_norm|k_norm)\.weight", ("head_dim",)),
+    (r"layers\.\d+\.attn\.prefill_kv", ("kv", "embed")),
+    (r"layers\.\d+\.attn\.prefill_kv_bias", ("kv",)),
+    (r"layers\.\d+\.mlp\.gate_up", ("mlp_fused", "embed")),
+    (r"layers\.\d+\.mlp\.down", ("embed", "mlp")),
+    (r"layers\.\d+\.mlp\.down_norm", ("mlp",)),
+    (r"layers\.\d+\.mlp\.down_bias", ("embed",)),
+)
+CACHE_AXES = ("batch", "cache_len", "kv_heads", "head_dim")  # k, v [B, S, n_kv, h]
+
+
+def make_mesh(shape: tuple[int, int] = (1, -1), devices: list | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over the first data·model devices; -1 takes the rest.
+
+    ``make_mesh((1, 8))``: 8-way tensor parallel; ``make_mesh((2, 4))``: 2 data × 4 model."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(shape) != 2 or any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
+        raise ValueError(f"mesh shape {shape!r} must be two integers (data, model)")
+    data, model = shape
+    if data == -1 and model == -1 or min(data, model) < -1 or 0 in shape:
+        raise ValueError(f"mesh shape {shape!r}: give positive sizes (at most one -1)")
+    if -1 in shape:
+        known = model if data == -1 else data
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {shape!r}: {len(devices)} devices are not divisible by {known}")
+        data, model = (len(devices) // known, known) if data == -1 else (known, len(devices) // known)
+    if data * model > len(devices):
+        raise ValueError(
+            f"mesh shape ({data}, {model}) needs {data * model} devices; {len(devices)} available "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices)"
+        )
+    grid = np.array(devices[: data * model], dtype=object).reshape(data, model)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def param_axes(path: str) -> tuple[str, ...]:
+    """Logical axes of the parameter at ``path`` (e.g. ``layers.3.mlp.down``)."""
+    for pattern, axes in PARAM_AXES:
+        if re.fullmatch(pattern, path):
+            return axes
+    raise ValueError(f"parameter {path!r} has no logical axes; known patterns: {[p for p, _ in PARAM_AXES]}")
+
+
+def partition_spec(axes: tuple[str | None, ...], mesh_axes: Mapping[str, int] | None = None,
+                   rules: Mapping[str, str | None] = RULES) -> PartitionSpec:
+    """Logical axes -> PartitionSpec under ``rules``; mesh axes absent from ``mesh_axes`` (or of
+    size 1) are dropped, so one rule set serves every mesh."""
+    out = []
+    for axis in axes:
+        if axis is not None and axis not in rules:
+            raise ValueError(f"unknown logical axis {axis!r}; valid axes: {sorted(rules)}")
+        target = None if axis is None else rules[axis]
+        if target is not None and mesh_axes is not None and mesh_axes.get(target, 1) == 1:
+            target = None
+        out.append(target)
+    return PartitionSpec(*out)
+
+
+def check_mesh(cfg: ModelConfig, mesh) -> None:
+    """Raises ValueError when the mesh cannot split the model evenly (names the value)."""
+    sizes = dict(mesh.shape)
+    unknown = sorted(set(sizes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are unknown; popjax meshes have axes {MESH_AXES} (use make_mesh)")
+    n = sizes.get("model", 1)
+    widths = sorted(set(cfg.intermediate_sizes or (cfg.intermediate_size,)))
+    checks = [
+        ("num_attention_heads", cfg.num_attention_heads, "heads"),
+        ("num_key_value_heads", cfg.num_key_value_heads, "kv_heads"),
+        ("vocab_size", cfg.vocab_size, "vocab"),
+        *(("intermediate_size", f, "mlp") for f in widths),
+    ]
+    for name, value, axis in checks:
+        if RULES[axis] == "model" and value % n:
+            valid = [k for k in range(1, value + 1) if value % k == 0]
+            raise ValueError(
+                f"the mesh's model axis of size {n} does not divide {name}={value}; "
+                f"valid model-axis sizes for this model divide it: {valid}"
+            )
+
+
+def check_batch(rows: int, mesh) -> None:
+    data = dict(mesh.shape).get("data", 1)
+    if rows % data:
+        raise ValueError(f"a batch of {rows} rows cannot be split over the mesh's data axis of size {data}; "
+                         f"use a batch size that is a multiple of {data}")
+
+
+def _walk(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _walk(value, name + ".")
+        else:
+            yield name, value
+
+
+def _map_paths(fn, tree: Mapping, prefix: str = "") -> dict:
+    return {k: _map_paths(fn, v, f"{prefix}{k}.") if isinstance(v, Mapping) else fn(f"{prefix}{k}", v)
+            for k, v in tree.items()}
+
+
+def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """The sharding of one parameter; checks that every split dimension divides evenly."""
+    axes = param_axes(path)
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter {path!r} has shape {shape}; its logical axes {axes} need rank {len(axes)}")
+    spec = partition_spec(axes, dict(mesh.shape))
+    for dim, (size, target) in enumerate(zip(shape, spec)):
+        if target is not None and size % mesh.shape[target]:
+            raise ValueError(f"parameter {path!r} dimension {dim} ({axes[dim]}) of size {size} is not divisible "
+                             f"by the mesh's {target} axis of size {mesh.shape[target]}")
+    return NamedSharding(mesh, spec)
+
+
+def param_shardings(params: Any, mesh: Mesh) -> dict:
+    """A pure-dict params tree (``nnx.to_pure_dict``) -> the same tree of NamedShardings."""
+    return _map_paths(lambda path, leaf: param_sharding(path, tuple(leaf.shape), mesh), params)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32") -> Any:
+    """The model's params as ShapeDtypeStructs carrying their shardings (an ``nnx.State``): what
+    an ahead-of-time ``jit(...).lower`` needs to plan per-device memory without any weights."""
+    from flax import nnx
+
+    from .loading import _abstract_model
+
+    check_mesh(cfg, mesh)
+    _, state = nnx.split(_abstract_model(cfg, jnp.dtype(dtype)))
+    pure = nnx.to_pure_dict(state)
+    shaped = _map_paths(
+        lambda path, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_sharding(path, tuple(leaf.shape), mesh)),
+        pure,
+    )
+    nnx.replace_by_pure_dict(state, shaped)
+    return state
+
+
+def place(path: str, array: np.ndarray, dtype, mesh: Mesh) -> jax.Array:
+    """Host array -> device array in its sharding: each device receives only its own block
+    (``jax.device_put`` slices on the host), no full copy on one device first."""
+    return jax.device_put(np.asarray(array, dtype=dtype), param_sharding(path, tuple(array.shape), mesh))
+
+
+def shard_params(model: "LoadedModel", mesh: Mesh) -> "LoadedModel":
+    """A loaded model with every parameter placed in its sharding on ``mesh`` (and ``mesh`` set,
+    so generate/forward run under it)."""
+    import dataclasses
+
+    from flax import nnx
+
+    check_mesh(model.config, mesh)
+    pure = nnx.to_pure_dict(model.params)
+    placed = _map_paths(lambda path, leaf: jax.device_put(leaf, param_sharding(path, tuple(leaf.shape), mesh)), pure)
+    state = jax.tree_util.tree_map(lambda x: x, model.params)  # a copy: the input model stays valid
+    nnx.replace_by_pure_dict(state, placed)
+    return dataclasses.replace(model, params=state, mesh=mesh)
+
+
+def use_mesh(model: Any) -> contextlib.AbstractContextManager:
+    """The context generate/forward run under: ``jax.set_mesh(model.mesh)``, or nothing for an
+    unsharded model (its compiled programs are then exactly the single-device ones)."""
+    mesh = getattr(model, "mesh", None)
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def active_mesh_axes() -> dict[str, int]:
+    """Axis sizes of the mesh set by ``use_mesh`` (empty without one); usable while tracing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty else dict(mesh.shape)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """``with_sharding_constraint`` by logical axes when a mesh is active; x unchanged otherwise.
+    Dimensions that the mesh axis does not divide are left replicated (a hint, never an error)."""
+    sizes = active_mesh_axes()
+    if not sizes:
+        return x
+    spec = list(partition_spec(axes, sizes))
+    spec = [t if t is None or x.shape[i] % sizes[t] == 0 else None for i, t in enumerate(spec)]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def constrain_cache(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """KV cache k, v [B, S, n_kv, h] -> constrained to (batch, cache_len, kv_heads, head_dim)."""
+    return constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
+
+
+def constrain_method_state(plan: Any, state: Any) -> Any:
+    """A method state: per-sequence states (leading batch axis on every leaf) are split over
+    ``data`` like the batch; other states keep the shardings their own code asks for."""
+    if not active_mesh_axes() or state is None or getattr(plan, "aggregate", None) != "per_sequence":
+        return state
+    return jax.tree_util.tree_map(lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1)) if a.ndim else a, state)
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective ops in compiled HLO text (``jit(f).lower(...).compile().as_text()``)."""
+    return {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", hlo_text)) for op in COLLECTIVES}
+
+
+def collective_operands(hlo_text: str, op: str) -> list[tuple[str, int]]:
+    """(shape text, element count) of each ``op`` result in HLO text, largest first."""
+    out = []
+    for match in re.finditer(rf"= (\(?[a-z0-9]+\[[0-9,]*\][^=]*?) {op}(-start)?\(", hlo_text):
+        dims = re.findall(r"\[([0-9,]*)\]", match.group(1))
+        size = max((int(np.prod([int(d) for d in s.split(",") if d])) for s in dims), default=0)
+        out.append((match.group(1)[:80], size))
+    return sorted(out, key=lambda item: -item[1])

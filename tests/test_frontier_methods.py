@@ -1,0 +1,420 @@
+"""Gate-scored, low-rank-scored and per-layer-band POP (issue 15) against plain NumPy references
+written independently here (loops, float64); popjax runs fp32 JAX. Selections must agree exactly,
+outputs within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import popjax
+from popjax.methods import MethodError, POPPlan, make_method
+from popjax.methods.gate_scored import GateScoredPlan, GateScoredPOP
+from popjax.methods.layer_bands import BandDrift, LayerBandsPlan, LayerBandsPOP, allocate_bands, prompt_drift
+from popjax.methods.low_rank import LowRankPlan, LowRankPOP, factors_from_weights, lowrank_factors
+from popjax.models.config import ModelConfig
+
+ATOL = 1e-5
+D = 16
+
+
+# ------------------------------------------------------------------ the NumPy reference
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def sizes(f, n_keep, gamma):
+    m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)
+    return n_keep - m, 2 * m, m
+
+
+def dnorm(W):
+    return np.array([math.sqrt(sum(v * v for v in row)) for row in W["down"]])
+
+
+def rank_desc(scores):
+    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+
+
+def group_norm(values, valid):
+    """‖values[valid rows, j]‖₂ per column: values [B, T, n], valid [B, T] -> [n]."""
+    out = np.zeros(values.shape[-1])
+    for j in range(values.shape[-1]):
+        out[j] = math.sqrt(sum(values[b, t, j] ** 2 for b in range(values.shape[0]) for t in range(values.shape[1]) if valid[b, t]))
+    return out
+
+
+def ref_partition(W, X, valid, n_keep, m):
+    """POP's prefill (SPEC §2): -> (Y, order by prompt importance, R, C)."""
+    H = silu(X @ W["gate"]) * (X @ W["up"])
+    order = rank_desc(group_norm(H, valid) * dnorm(W))
+    keep = order[:n_keep]
+    n_r = n_keep - m
+    return H[..., keep] @ W["down"][keep], order, order[:n_r], order[n_r : n_r + 2 * m]
+
+
+def ref_select_and_apply(W, R, C, x, scores, m):
+    """Top m of C by ``scores`` (dict c -> score; ties: earlier in C), then exact H on R ∪ S."""
+    S = sorted(C, key=lambda c: (-scores[c], C.index(c)))[:m]
+    H = silu(x @ W["gate"]) * (x @ W["up"])
+    return sum((H[..., [j]] * W["down"][j] for j in list(R) + S), np.zeros(x.shape[:-1] + (W["down"].shape[1],))), S
+
+
+def ref_gate_step(W, R, C, x, m):
+    G = silu(x @ W["gate"])
+    dn = dnorm(W)
+    scores = {c: math.sqrt(sum(G[b, 0, c] ** 2 for b in range(x.shape[0]))) * dn[c] for c in C}
+    return ref_select_and_apply(W, R, C, x, scores, m)
+
+
+def truncated(Wmat, r):
+    """The best rank-r approximation of a [d, f] matrix (float64 SVD)."""
+    u, s, vt = np.linalg.svd(Wmat, full_matrices=False)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+def ref_lowrank_step(W, R, C, x, m, r, project):
+    G = silu(x @ truncated(W["gate"], r))
+    U = x @ truncated(W["up"], r)
+    A = G * U if project == "gate_up" else G
+    dn = dnorm(W)
+    scores = {c: math.sqrt(sum(A[b, 0, c] ** 2 for b in range(x.shape[0]))) * dn[c] for c in C}
+    return ref_select_and_apply(W, R, C, x, scores, m)
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+def random_layer(rng, d, f):
+    return {
+        "gate": rng.normal(0, 0.3, (d, f)),
+        "up": rng.normal(0, 0.3, (d, f)),
+        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),
+    }
+
+
+def as_jax(W, layer=0):
+    down = np.asarray(W["down"], np.float32)
+    return {
+        "gate_up": jnp.asarray(np.concatenate([W["gate"].T, W["up"].T]), jnp.float32),
+        "down": jnp.asarray(down.T),
+        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
+        "layer": jnp.int32(layer),
+    }
+
+
+def random_batch(rng, d, lengths, T):
+    X = rng.normal(0, 1.0, (len(lengths), T, d))
+    valid = np.zeros((len(lengths), T), bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True
+    X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak
+    return X, valid
+
+
+def groups(aggregate, B):
+    return [slice(0, B)] if aggregate == "shared" else [slice(b, b + 1) for b in range(B)]
+
+
+def tiny_config(f=96, layers=3, d=D):
+    return ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=d // 2, rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(plan):
+    """The plan's prefill and decode, compiled once per plan and shape (eager mode compiles
+    every op on its own: much slower here)."""
+    return jax.jit(plan.prefill), jax.jit(plan.decode)
+
+
+def run_and_compare(plan, W, X, valid, aggregate, m, ref_step, steps=3, seed=0, layer=0):
+    """Prefill + ``steps`` decode steps of ``plan`` against the reference, group by group."""
+    rng = np.random.default_rng(seed)
+    w = as_jax(W, layer)
+    prefill, decode = jitted(plan)
+    y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    parts = {}
+    for g in groups(aggregate, X.shape[0]):
+        Y_ref, _, R, C = ref_partition(W, X[g], valid[g], plan.n_keep, m)
+        np.testing.assert_allclose(np.asarray(y[g])[valid[g]], Y_ref[valid[g]], atol=ATOL)
+        parts[g.start] = (R, C)
+    for step in range(steps):
+        x_t = rng.normal(0, 1.0, (X.shape[0], 1, X.shape[-1]))
+        y_t, state, aux = decode(w, state, jnp.asarray(x_t, jnp.float32), step, jnp.ones((X.shape[0], 1), bool))
+        for g in groups(aggregate, X.shape[0]):
+            R, C = parts[g.start]
+            y_ref, S = ref_step(W, R, C, x_t[g], m)
+            np.testing.assert_allclose(np.asarray(y_t[g]), y_ref, atol=ATOL)
+            if m:
+                got = np.asarray(aux["selected"]) if aggregate == "shared" else np.asarray(aux["selected"][g.start])
+                assert got[:m].tolist() == S
+    return state
+
+
+CASES = [(96, 67, 0.1), (96, 67, 0.4), (96, 91, 0.5), (96, 5, 0.5), (4, 2, 1.0), (96, 60, 0.0)]
+
+
+# ------------------------------------------------------------------ gate-scored
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+@pytest.mark.parametrize("f, n_keep, gamma", CASES)
+def test_gate_scored_matches_reference(f, n_keep, gamma, aggregate):
+    rng = np.random.default_rng(f * 31 + n_keep)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [5, 8, 3], T=8)
+    n_r, n_c, m = sizes(f, n_keep, gamma)
+    plan = GateScoredPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate)
+    run_and_compare(plan, W, X, valid, aggregate, m, ref_gate_step)
+    assert plan.ffn_weights_read(D) == 3 * D * n_r + D * n_c + 2 * D * m
+    assert plan.ffn_flops_per_token(D) == 2 * plan.ffn_weights_read(D)
+
+
+def test_gate_scored_over_all_channels_is_dynamic_by_gate_score():
+    f, n_keep = 64, 32  # γ = 1 with n_keep = f/2: no retained, no pruned channel
+    rng = np.random.default_rng(3)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [6, 4], T=6)
+    plan = GateScoredPOP(0.0, gamma=1.0).plan_class(f=f, n_keep=n_keep, m=32)
+    assert (plan.n_retained, plan.n_candidates) == (0, f)
+    w = as_jax(W)
+    prefill, decode = jitted(plan)
+    _, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    x_t = rng.normal(0, 1.0, (2, 1, D))
+    y_t, _, aux = decode(w, state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
+    # dynamic selection by the gate score over every channel, no prompt involved
+    G = silu(x_t @ W["gate"])
+    score = [math.sqrt(G[0, 0, j] ** 2 + G[1, 0, j] ** 2) * dnorm(W)[j] for j in range(f)]
+    keep = rank_desc(score)[:n_keep]
+    H = silu(x_t @ W["gate"]) * (x_t @ W["up"])
+    np.testing.assert_allclose(np.asarray(y_t), H[..., keep] @ W["down"][keep], atol=ATOL)
+    assert np.asarray(aux["selected"]).tolist() == keep
+
+
+def test_gate_scored_reads_pops_bytes_at_twice_the_band():
+    cfg = tiny_config(f=200)  # γ·f/2 = 10 and 20 exactly
+    pop = popjax.POP(0.2, gamma=0.1).bind(cfg)
+    gate = GateScoredPOP(0.2, gamma=0.2).bind(cfg)
+    assert gate.m == 2 * pop.m
+    assert gate.ffn_weights_read(D) == pop.ffn_weights_read(D)
+
+
+# ------------------------------------------------------------------ low-rank
+
+
+def lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate, layers=1):
+    Ws = [W] * layers
+    factors = factors_from_weights([np.concatenate([w["gate"].T, w["up"].T]) for w in Ws], rank)
+    _, _, m = sizes(f, n_keep, gamma)
+    return LowRankPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project, factors=factors), m
+
+
+@pytest.mark.parametrize("project", ["gate_up", "gate"])
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+@pytest.mark.parametrize("f, n_keep, gamma, rank", [(96, 67, 0.4, 4), (96, 48, 0.5, 9), (4, 2, 1.0, 2), (96, 60, 0.0, 3)])
+def test_lowrank_matches_reference(f, n_keep, gamma, rank, aggregate, project):
+    rng = np.random.default_rng(f + n_keep + rank)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [5, 8], T=8)
+    plan, m = lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate)
+    step = lambda W_, R, C, x, m_: ref_lowrank_step(W_, R, C, x, m_, rank, project)
+    run_and_compare(plan, W, X, valid, aggregate, m, step)
+    k = 2 if project == "gate_up" else 1
+    want = 3 * D * n_keep + (k * rank * (D + 2 * m) if m else 0)
+    assert plan.ffn_weights_read(D) == want
+
+
+def test_lowrank_at_full_rank_gives_pops_exact_scores():
+    f, n_keep, gamma = 96, 60, 0.4
+    rng = np.random.default_rng(11)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [7, 4], T=7)
+    plan, m = lowrank_plan(W, f, n_keep, gamma, D, "gate_up", "shared")  # rank = min(d, f)
+    pop = POPPlan(f=f, n_keep=n_keep, m=m)
+    w = as_jax(W)
+    args = (jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    (p_low, d_low), (p_pop, d_pop) = jitted(plan), jitted(pop)
+    (_, s_low, _), (_, s_pop, _) = p_low(w, *args), p_pop(w, *args)
+    for step in range(3):
+        x_t = jnp.asarray(rng.normal(0, 1.0, (2, 1, D)), jnp.float32)
+        y_low, s_low, a_low = d_low(w, s_low, x_t, step, jnp.ones((2, 1), bool))
+        y_pop, s_pop, a_pop = d_pop(w, s_pop, x_t, step, jnp.ones((2, 1), bool))
+        assert np.asarray(a_low["selected"]).tolist() == np.asarray(a_pop["selected"]).tolist()
+        np.testing.assert_allclose(np.asarray(a_low["scores"]), np.asarray(a_pop["scores"]), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(y_low), np.asarray(y_pop), atol=ATOL)
+
+
+@pytest.mark.parametrize("rank", [0, -3, 17, 2.5, True])
+def test_lowrank_bad_rank_is_an_error_naming_it(rank):
+    W = random_layer(np.random.default_rng(0), D, 96)
+    with pytest.raises(MethodError, match=f"rank={rank}"):
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
+            LowRankPOP(0.2, rank=rank).bind(tiny_config())  # 17 > min(d=16, f=96)
+        else:
+            LowRankPOP(0.2, rank=rank)
+    if rank == 17:
+        with pytest.raises(MethodError, match="rank=17 exceeds min"):
+            factors_from_weights([np.concatenate([W["gate"].T, W["up"].T])], 17)
+
+
+@pytest.mark.parametrize("name", ["pop-gate", "pop-lowrank"])
+def test_sharded_partition_is_refused(name):
+    if "partition" not in popjax.methods.method_fields("pop"):
+        pytest.skip("this POP has no partition option")
+    with pytest.raises(MethodError, match="partition='per_shard'"):
+        make_method(name, ratio=0.2, partition="per_shard")
+
+
+def test_lowrank_other_errors():
+    with pytest.raises(MethodError, match="project='up'"):
+        LowRankPOP(0.2, project="up")
+    with pytest.raises(MethodError, match="prepare"):
+        LowRankPOP(0.2, rank=4).bind(tiny_config())
+    W = random_layer(np.random.default_rng(0), D, 96)
+    factors = factors_from_weights([np.concatenate([W["gate"].T, W["up"].T])], 4)
+    with pytest.raises(MethodError, match="do not fit"):
+        LowRankPOP(0.2, rank=4, factors=factors).bind(tiny_config())  # 1 layer of factors, 3 layers
+
+
+# ------------------------------------------------------------------ per-layer bands
+
+
+def ref_drift(W, X, valid, n_keep):
+    H = silu(X @ W["gate"]) * (X @ W["up"])
+    first, second = np.zeros_like(valid), np.zeros_like(valid)
+    for b in range(X.shape[0]):
+        ids = [t for t in range(X.shape[1]) if valid[b, t]]
+        for p, t in enumerate(ids):
+            (first if p < len(ids) / 2 else second)[b, t] = True
+    dn = dnorm(W)
+    a = set(rank_desc(group_norm(H, first) * dn)[:n_keep])
+    c = set(rank_desc(group_norm(H, second) * dn)[:n_keep])
+    return 1.0 - len(a & c) / n_keep
+
+
+def ref_allocate(drift, m, cap, levels):
+    widths = sorted({min(int(math.floor(c * m + 0.5)), cap) for c in levels})
+    L = len(drift)
+    total = sum(drift)
+    target = [L * m * x / total if total > 0 else m for x in drift]
+    cur = [0] * L
+    while True:
+        best = None
+        for l in range(L):
+            if cur[l] + 1 < len(widths):
+                cost = widths[cur[l] + 1] - widths[cur[l]]
+                if sum(widths[c] for c in cur) + cost <= L * m:
+                    key = target[l] - widths[cur[l]]
+                    if best is None or key > best[0]:
+                        best = (key, l)
+        if best is None:
+            return [widths[c] for c in cur]
+        cur[best[1]] += 1
+
+
+def test_prompt_drift_matches_reference():
+    rng = np.random.default_rng(5)
+    W = random_layer(rng, D, 48)
+    X, valid = random_batch(rng, D, [7, 4], T=8)
+    w = as_jax(W)
+    from popjax.methods.base import activations
+
+    h = activations(w["gate_up"], jnp.asarray(X, jnp.float32))
+    for n_keep in (10, 30):
+        got = float(jax.jit(prompt_drift, static_argnums=3)(h, jnp.asarray(valid), w["down_norm"], n_keep))
+        assert got == pytest.approx(ref_drift(W, X, valid, n_keep), abs=1e-6)
+    stat = jax.jit(BandDrift(n_keep=30).collect)(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid), h)
+    per_prompt = [ref_drift(W, X[b : b + 1], valid[b : b + 1], 30) for b in range(2)]
+    assert float(stat["drift"]) == pytest.approx(sum(per_prompt), abs=1e-6) and int(stat["prompts"]) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocation_matches_reference_and_meets_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    drift = rng.uniform(0, 1, 7) ** 2
+    m, cap = 10, 25
+    bands = allocate_bands(drift, m, cap)
+    assert list(bands) == ref_allocate(list(drift), m, cap, (0.0, 0.5, 1.0, 1.5, 2.0, 3.0))
+    assert sum(bands) <= 7 * m and max(bands) <= cap
+    assert bands[int(np.argmax(drift))] >= bands[int(np.argmin(drift))]
+    assert allocate_bands(np.full(7, 0.3), m, cap) == (m,) * 7  # equal drift: POP's bands
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+def test_layer_bands_match_reference_per_layer(aggregate):
+    f, n_keep, bands = 96, 60, (0, 14, 5)
+    rng = np.random.default_rng(9)
+    plan = LayerBandsPlan(f=f, n_keep=n_keep, m=10, bands=bands, aggregate=aggregate)
+    assert plan.ffn_weights_read(D) == round(np.mean([3 * D * n_keep + 2 * D * b for b in bands]))
+    for layer, m_l in enumerate(bands):
+        W = random_layer(rng, D, f)
+        X, valid = random_batch(rng, D, [6, 3], T=6)
+        state = run_and_compare(plan, W, X, valid, aggregate, m_l, ref_pop_step, layer=layer, seed=layer)
+        assert state["gate_up"].shape[-3:] == (n_keep + max(bands), 2, D)  # the same for every layer
+
+
+def ref_pop_step(W, R, C, x, m):
+    H = silu(x @ W["gate"]) * (x @ W["up"])
+    dn = dnorm(W)
+    scores = {c: math.sqrt(sum(H[b, 0, c] ** 2 for b in range(x.shape[0]))) * dn[c] for c in C}
+    return ref_select_and_apply(W, R, C, x, scores, m)
+
+
+def test_layer_bands_errors():
+    cfg = tiny_config()
+    with pytest.raises(MethodError, match="levels=\\(2.0, 3.0\\)"):
+        LayerBandsPOP(0.2, levels=(2.0, 3.0))
+    with pytest.raises(MethodError, match="levels=\\(\\)"):
+        LayerBandsPOP(0.2, levels=())
+    with pytest.raises(MethodError, match="prepare"):
+        LayerBandsPOP(0.2).bind(cfg)
+    with pytest.raises(MethodError, match="drift has 2 layers"):
+        LayerBandsPOP(0.2).with_drift([0.1, 0.2]).bind(cfg)
+    with pytest.raises(MethodError, match="drift="):
+        LayerBandsPOP(0.2).with_drift([0.1, -1.0, 0.2])
+    from popjax.methods.layer_bands import BandAllocation
+
+    with pytest.raises(MethodError, match="POP's budget"):
+        LayerBandsPOP(0.2, gamma=0.1, allocation=BandAllocation((10, 10, 10))).bind(cfg)  # m = 5
+
+
+# ------------------------------------------------------------------ through the engine
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoints):
+    directory, _ = tiny_checkpoints("llama-gqa")
+    return popjax.load(directory, cache=False)
+
+
+def test_methods_run_through_the_engine_and_lowrank_factors_are_cached(tiny_model, tmp_path):
+    from popjax.calibration import Corpus
+    from popjax.generation import generate_ids
+
+    corpus = Corpus.from_token_ids("tiny", np.random.default_rng(0).integers(3, 160, 512), window=32)
+    prompts = [[5, 9, 33, 17, 80, 41, 12], [7, 3, 99]]
+    methods = [
+        make_method("pop-gate", ratio=0.2, gamma=0.3, aggregate="per_sequence"),
+        LowRankPOP(0.2, gamma=0.3, rank=8).prepare(tiny_model),
+        LayerBandsPOP(0.2, gamma=0.3).prepare(tiny_model, corpus=corpus),
+    ]
+    for method in methods:
+        out, trace = generate_ids(tiny_model, prompts, max_new_tokens=5, method=method, ignore_eos=True, return_trace=True)
+        assert [len(o) for o in out] == [5, 5]
+    assert len(methods[2].allocation.drift) == tiny_model.config.num_hidden_layers
+    a = lowrank_factors(tiny_model, 8, cache_dir=tmp_path)
+    b = lowrank_factors(tiny_model, 8, cache_dir=tmp_path)  # from the file
+    assert len(list(tmp_path.rglob("lowrank-svd-v1-r8.npz"))) == 1 and a == b
+    np.testing.assert_array_equal(a.outputs, b.outputs)

@@ -1,0 +1,97 @@
+"""``popjax plan``: per-device memory from XLA's ahead-of-time compile of the engine's programs
+(no weights allocated) agrees with what a real model and its decode state actually allocate; the
+CLI makes fake CPU devices for a mesh; bad input fails clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import popjax
+from popjax.memory_plan import memory_plan, parse_mesh, published_configs, resolve_config
+from popjax.models.config import ConfigError
+from popjax.generation import GenerationRequest
+from popjax.sharding import make_mesh
+from tests.conftest import TINY_BASE
+
+TINY = dict(TINY_BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=2,
+            tie_word_embeddings=False, rope_theta=10000.0)
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("method", [popjax.Dense(), popjax.POP(0.3, aggregate="per_sequence")], ids=["dense", "pop"])
+def test_plan_agrees_with_the_allocated_model_and_state(method, tiny_checkpoints, config_file):
+    directory, _ = tiny_checkpoints("llama-gqa")
+    model = popjax.load(directory, cache=False)
+    cfg = resolve_config(str(config_file))
+    assert cfg.hidden_size == model.config.hidden_size and cfg.intermediate_size == model.config.intermediate_size
+    batch, prompt, new = 4, 32, 32
+    plan = memory_plan(cfg, make_mesh((1, 1)), method, batch, prompt + new, prompt, "float32")
+    request = GenerationRequest.create(model, [[5] * prompt] * batch, new, method=method)
+    carry, _ = request.start(model)
+    x = plan["xla_per_device"]
+    assert x["weights"] == pytest.approx(_nbytes(model.params), rel=0.10)
+    assert x["kv_cache"] == pytest.approx(_nbytes(carry.state.caches), rel=0.10)
+    assert x["method_state"] == pytest.approx(_nbytes(carry.state.method_states), rel=0.10)
+    planned = x["weights"] + x["kv_cache"] + x["method_state"]
+    assert planned == pytest.approx(_nbytes(model.params) + _nbytes(carry), rel=0.10)
+    assert x["decode"]["alias"] == pytest.approx(_nbytes(carry), rel=0.10)  # the donated carry is updated in place
+    assert plan["analytic_per_device"]["kv_cache"] == x["kv_cache"]
+    assert plan["decode_step_cost"]["flops"] > 0 and plan["decode_step_cost"]["bytes_accessed"] > 0
+
+
+def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "2x2", "--batch", "2",
+           "--context", "64", "--prompt", "16", "--dtype", "float32", "--method", "pop", "--ratio", "0.3", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert plan["devices"] == 4 and plan["mesh"] == {"data": 2, "model": 2}
+    cfg = resolve_config(str(config_file))
+    single = memory_plan(cfg, make_mesh((1, 1)), popjax.POP(0.3), 2, 64, 16, "float32")
+    # vocabulary, heads and FFN channels split over model=2: about half the weights per device
+    assert plan["xla_per_device"]["weights"] < 0.6 * single["xla_per_device"]["weights"]
+    assert plan["xla_per_device"]["kv_cache"] == single["xla_per_device"]["kv_cache"] // 4  # batch/2, kv heads/2
+    assert "decode peak" in result.stdout
+
+
+def test_bad_input_fails_clearly(config_file, tmp_path):
+    with pytest.raises(ValueError, match="'3x'"):
+        parse_mesh("3x")
+    with pytest.raises(ValueError, match="published config"):
+        resolve_config("llama-9000")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(TINY, model_type="gpt2")))
+    with pytest.raises(ConfigError, match="gpt2"):
+        resolve_config(str(bad))
+    cfg = resolve_config(str(config_file))
+    with pytest.raises(ValueError, match="context"):
+        memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 64)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "1x3", "--context", "64"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and "3" in result.stderr and "error" in result.stderr
+
+
+def test_published_configs_are_supported():
+    assert {"llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-32b"} <= set(published_configs())
+    for name in published_configs():
+        assert resolve_config(name).num_hidden_layers >= 16

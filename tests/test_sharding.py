@@ -1,0 +1,414 @@
+"""Scale-out (popjax.sharding): logical axes, the rules table, mesh errors, POP's per-shard
+partition against a NumPy reference, and — in ONE subprocess with 8 fake CPU devices — every
+method's tokens and log-probabilities on meshes (8, 1), (1, 8), (2, 4) against one device, plus
+the collectives of the compiled decode step.
+
+Run: ``python -m pytest -q tests/test_sharding.py``; the 8-device worker alone:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/test_sharding.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MESHES = ((8, 1), (1, 8), (2, 4))
+ATOL = 1e-5
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+NEW_TOKENS = 8
+
+
+def tiny_config(**overrides):
+    """LLaMA-style, sized so every split of an 8-device mesh divides: heads 16, kv heads 8,
+    f 256 (32 channels per shard), vocabulary 256."""
+    from popjax.models.config import ModelConfig
+
+    fields = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def random_tree(cfg, seed: int = 0) -> dict:
+    """A converted-checkpoint tree (HF layout: q/k/v and gate/up apart) of random weights."""
+    rng = np.random.default_rng(seed)
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    w = lambda *shape: (rng.normal(size=shape) * 0.15).astype(np.float32)
+    norm = lambda n: {"weight": (1 + 0.1 * rng.normal(size=n)).astype(np.float32)}
+    layer = lambda: {
+        "attn_norm": norm(d), "mlp_norm": norm(d),
+        "attn": {"q": w(cfg.num_attention_heads * h, d), "k": w(cfg.num_key_value_heads * h, d),
+                 "v": w(cfg.num_key_value_heads * h, d), "o": w(d, cfg.num_attention_heads * h)},
+        "mlp": {"gate": w(f, d), "up": w(f, d), "down": w(d, f)},
+    }
+    if cfg.qk_norm:
+        layer_without_norms = layer
+        layer = lambda: (lambda t: {**t, "attn": {**t["attn"], "q_norm": norm(h), "k_norm": norm(h)}})(layer_without_norms())
+    tree = {"embed": w(cfg.vocab_size, d), "final_norm": norm(d), "layers": {str(i): layer() for i in range(cfg.num_hidden_layers)}}
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = w(cfg.vocab_size, d)
+    return tree
+
+
+
+# ----------------------------------------------------------------------------- rules and errors (one device)
+
+
+def _abstract_mesh(data: int, model: int):
+    import jax
+
+    return jax.sharding.AbstractMesh((data, model), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_every_parameter_has_logical_axes_of_its_rank():
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from popjax import sharding
+    from popjax.loading import build_model
+
+    for cfg in (tiny_config(), tiny_config(model_type="qwen3", qk_norm=True, tie_word_embeddings=True)):
+        model = build_model(cfg, random_tree(cfg), None, "tiny", "float32")
+        leaves = list(sharding._walk(nnx.to_pure_dict(model.params)))
+        assert len(leaves) > 10
+        for path, leaf in leaves:
+            axes = sharding.param_axes(path)
+            assert len(axes) == leaf.ndim, (path, axes, leaf.shape)
+            assert all(a in sharding.RULES for a in axes)
+    # the FFN channel axis lands on "model", the hidden size is replicated
+    assert sharding.partition_spec(sharding.param_axes("layers.0.mlp.down"), {"data": 2, "model": 4}) == P(None, "model")
+    assert sharding.partition_spec(sharding.CACHE_AXES, {"data": 2, "model": 4}) == P("data", None, "model", None)
+    # a mesh axis of size 1 is dropped, so the single-device spec is fully replicated
+    assert sharding.partition_spec(sharding.CACHE_AXES, {"data": 1, "model": 1}) == P(None, None, None, None)
+
+
+def test_abstract_params_carry_shardings_without_allocating():
+    from flax import nnx
+
+    from popjax import sharding
+
+    mesh = sharding.make_mesh((1, 1))
+    state = sharding.abstract_params(tiny_config(), mesh)
+    leaves = dict(sharding._walk(nnx.to_pure_dict(state)))
+    assert leaves["layers.1.mlp.gate_up"].shape == (512, 64)
+    assert leaves["layers.1.mlp.gate_up"].sharding.mesh == mesh
+
+
+def test_unknown_logical_axis_and_parameter_are_errors():
+    import pytest
+
+    from popjax import sharding
+
+    with pytest.raises(ValueError, match=r"unknown logical axis 'experts'.*valid axes"):
+        sharding.partition_spec(("experts", "embed"))
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.router' has no logical axes"):
+        sharding.param_axes("layers.0.mlp.router")
+
+
+def test_mesh_that_does_not_divide_the_model_is_an_error():
+    import pytest
+
+    from popjax import sharding
+
+    with pytest.raises(ValueError, match=r"model axis of size 8 does not divide num_attention_heads=12.*\[1, 2, 3, 4, 6, 12\]"):
+        sharding.check_mesh(tiny_config(num_attention_heads=12, num_key_value_heads=4), _abstract_mesh(1, 8))
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2"):
+        sharding.check_mesh(tiny_config(num_key_value_heads=2), _abstract_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"intermediate_size=100"):
+        sharding.check_mesh(tiny_config(intermediate_size=100), _abstract_mesh(1, 8))
+    with pytest.raises(ValueError, match=r"batch of 6 rows.*data axis of size 4"):
+        sharding.check_batch(6, _abstract_mesh(4, 2))
+    sharding.check_mesh(tiny_config(), _abstract_mesh(2, 4))  # divides: no error
+
+
+def test_make_mesh_errors_name_the_shape():
+    import pytest
+
+    from popjax import sharding
+
+    with pytest.raises(ValueError, match=r"mesh shape \(2, 8\) needs 16 devices"):
+        sharding.make_mesh((2, 8))
+    with pytest.raises(ValueError, match=r"two integers"):
+        sharding.make_mesh((1, 2, 3))
+    assert dict(sharding.make_mesh((1, -1)).shape) == {"data": 1, "model": 1}
+
+
+def test_constraints_are_no_ops_without_a_mesh():
+    import jax.numpy as jnp
+
+    from popjax import sharding
+
+    x = jnp.ones((2, 4, 8, 2))
+    assert sharding.constrain(x, sharding.CACHE_AXES) is x
+
+
+# ----------------------------------------------------------------------------- POP per shard vs NumPy
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def ref_per_shard_prefill(gate, up, down, X, valid, shards, keep, m):
+    """gate, up [f, d]; down [d, f]; float64 loops -> (Y, R, C) with R, C lists of global ids per shard."""
+    f = gate.shape[0]
+    block = f // shards
+    H = _silu(X @ gate.T) * (X @ up.T)
+    norms = np.sqrt((down ** 2).sum(axis=0))
+    imp = np.array([np.sqrt(sum(H[b, t, j] ** 2 for b in range(X.shape[0]) for t in range(X.shape[1]) if valid[b, t])) * norms[j]
+                    for j in range(f)])
+    R, C, kept = [], [], []
+    for s in range(shards):
+        ids = list(range(s * block, (s + 1) * block))
+        order = sorted(ids, key=lambda j: (-imp[j], j))
+        R.append(order[: keep - m])
+        C.append(order[keep - m : keep + m])
+        kept += order[:keep]
+    return H[..., kept] @ down[:, kept].T, R, C
+
+
+def ref_per_shard_decode(gate, up, down, x, R, C, m):
+    H = _silu(x @ gate.T) * (x @ up.T)  # [B, 1, f]
+    norms = np.sqrt((down ** 2).sum(axis=0))
+    used, selected = [], []
+    for r, c in zip(R, C):
+        score = {j: np.sqrt((H[:, 0, j] ** 2).sum()) * norms[j] for j in c}
+        pick = sorted(c, key=lambda j: (-score[j], c.index(j)))[:m]
+        selected.append(pick)
+        used += list(r) + pick
+    return H[..., used] @ down[:, used].T, selected
+
+
+def test_pop_per_shard_matches_reference():
+    import jax.numpy as jnp
+
+    from popjax.methods import POP
+    from popjax.methods.pop import POPShardedPlan
+
+    rng = np.random.default_rng(3)
+    cfg = tiny_config(intermediate_size=64)
+    plan = POP(0.3, partition="per_shard", shards=4, gamma=0.25).bind(cfg)
+    assert isinstance(plan, POPShardedPlan) and plan.shards == 4 and plan.m >= 1
+    keep, m = plan.n_keep // 4, plan.m
+    d, f = 64, 64
+    gate, up, down = (rng.normal(size=s) * 0.3 for s in ((f, d), (f, d), (d, f)))
+    w = {"gate_up": jnp.asarray(np.concatenate([gate, up]), jnp.float32), "down": jnp.asarray(down, jnp.float32)}
+    w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
+    X = rng.normal(size=(2, 5, d))
+    valid = np.ones((2, 5), bool)
+    valid[1, :2] = False  # left padding stays out of the ranking
+    X[1, :2] = 50.0
+    y, state, _ = plan.prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    Y, R, C = ref_per_shard_prefill(gate, up, down, X, valid, 4, keep, m)
+    assert np.asarray(state["retained_idx"]).tolist() == R
+    assert np.asarray(state["candidate_idx"]).tolist() == C
+    np.testing.assert_allclose(np.asarray(y)[valid], Y[valid], atol=ATOL)
+    x = rng.normal(size=(2, 1, d))
+    step_valid = np.array([[True], [False]])  # a stopped row does not vote
+    y, _, aux = plan.decode(w, state, jnp.asarray(x, jnp.float32), jnp.int32(0), jnp.asarray(step_valid))
+    want, selected = ref_per_shard_decode(gate, up, down, x[:1], R, C, m)
+    assert np.asarray(aux["selected"]).tolist() == selected
+    np.testing.assert_allclose(np.asarray(y)[:1], want, atol=ATOL)
+
+
+def test_pop_per_shard_with_one_shard_is_global_pop():
+    import jax.numpy as jnp
+
+    from popjax.methods import POP
+
+    rng = np.random.default_rng(4)
+    cfg = tiny_config(intermediate_size=64)
+    one, glob = POP(0.3, partition="per_shard", shards=1).bind(cfg), POP(0.3).bind(cfg)
+    assert (one.n_keep, one.m) == (glob.n_keep, glob.m)
+    w = {"gate_up": jnp.asarray(rng.normal(size=(128, 64)) * 0.3, jnp.float32),
+         "down": jnp.asarray(rng.normal(size=(64, 64)) * 0.3, jnp.float32)}
+    w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
+    x, valid = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32), jnp.ones((2, 4), bool)
+    (y1, s1, _), (y2, s2, _) = one.prefill(w, x, valid), glob.prefill(w, x, valid)
+    assert np.asarray(s1["retained_idx"])[0].tolist() == np.asarray(s2["retained_idx"]).tolist()
+    assert np.asarray(s1["candidate_idx"])[0].tolist() == np.asarray(s2["candidate_idx"]).tolist()
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+    xt = x[:, :1]
+    (y1, _, a1), (y2, _, a2) = (p.decode(w, s, xt, jnp.int32(0), valid[:, :1]) for p, s in ((one, s1), (glob, s2)))
+    assert np.asarray(a1["selected"])[0].tolist() == np.asarray(a2["selected"]).tolist()
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+
+
+def test_pop_partition_errors_and_mesh_default():
+    import dataclasses
+
+    import pytest
+
+    from popjax.methods import POP, MethodError, parse_method_spec
+
+    with pytest.raises(MethodError, match=r"partition='rows' is not one of \('global', 'per_shard'\)"):
+        POP(0.2, partition="rows")
+    with pytest.raises(MethodError, match=r"shards=0 is invalid"):
+        POP(0.2, partition="per_shard", shards=0)
+    with pytest.raises(MethodError, match=r"shards=4 applies to partition='per_shard' only"):
+        POP(0.2, shards=4)
+    with pytest.raises(MethodError, match=r"shards=3 does not divide the FFN width f=256"):
+        POP(0.2, partition="per_shard", shards=3).bind(tiny_config())
+    assert parse_method_spec("pop:partition=per_shard:shards=8") == POP(0.2, partition="per_shard", shards=8)
+
+    @dataclasses.dataclass
+    class Sharded:
+        mesh: object
+
+    assert POP(0.2, partition="per_shard").prepare(Sharded(_abstract_mesh(2, 4))).shards == 4
+    assert POP(0.2).prepare(Sharded(_abstract_mesh(2, 4))).shards is None
+
+
+# ----------------------------------------------------------------------------- the 8-device worker
+WORKER_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                "--xla_llvm_disable_expensive_passes=true")  # fewer LLVM passes: compiles dominate the run
+
+
+def core_methods():
+    import popjax
+
+    return {
+        "dense": popjax.Dense(),
+        "static": popjax.Static(0.3),
+        "pop-shared": popjax.POP(0.3),
+        "pop-per_sequence": popjax.POP(0.3, aggregate="per_sequence"),
+        "pop-per_shard": popjax.POP(0.3, partition="per_shard", shards=8),
+    }
+
+
+def other_methods(model):
+    """The other registered methods that run without calibration data (calibrated methods and
+    the layer-band allocation are left to the slow run: their calibration passes cost more than
+    this whole worker)."""
+    import popjax
+    from popjax.methods import METHODS, make_method
+
+    out = {"dynamic": popjax.Dynamic(0.3), "griffin": popjax.GRIFFIN(0.3), "probe": popjax.ProbePruning(0.3),
+           "bwap": popjax.BWAP(), "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3)}
+    if "pop-gate" in METHODS:
+        out["pop-gate"] = make_method("pop-gate", ratio=0.3)
+    return out
+
+
+def _teacher(model, plan, tokens, mask, targets):
+    import jax.numpy as jnp
+
+    from popjax import engine, sharding
+
+    with sharding.use_mesh(model):
+        nll, logp, _ = engine.teacher_force(model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask),
+                                            jnp.asarray(targets), with_logprobs=True)
+        return np.asarray(logp)
+
+
+def _decode_step_hlo(model, method) -> str:
+    import jax.numpy as jnp
+
+    from popjax import engine, sharding
+    from popjax.generation import GenerationRequest
+
+    req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
+    carry, _ = req.start(model)
+    with sharding.use_mesh(model):
+        lowered = engine.stream_step.lower(model.graphdef, model.params, req.plan, carry, req.sampling,
+                                           jnp.asarray(req.stops), jnp.int32(req.pad_id))
+    return lowered.compile().as_text()
+
+
+def worker(out_path: str, all_methods: bool = False) -> None:
+    """Runs in the 8-device subprocess; writes its findings as JSON for the tests to check.
+
+    Every method is teacher-forced through prefill and NEW_TOKENS decode steps on fixed random
+    targets: equal log-probabilities and equal argmax at every step mean equal greedy choices
+    for any prefix; the full greedy loop (generate_ids) runs on a mesh for dense and POP per shard."""
+    import jax
+
+    from popjax import sharding
+    from popjax.generation import generate_ids, pad_batch
+    from popjax.loading import build_model
+
+    start = time.process_time()
+    cfg, tree = tiny_config(), random_tree(tiny_config())
+    single = build_model(cfg, tree, None, "tiny", "float32")
+    sharded = {shape: build_model(cfg, tree, None, "tiny", "float32", sharding.make_mesh(shape)) for shape in MESHES}
+    tokens, mask = pad_batch(PROMPTS, 0, min_rows=8)  # 8 rows: the (8, 1) mesh splits the batch 8 ways
+    results = {"devices": len(jax.devices()), "methods": {}, "collectives": {}, "generate": {}}
+    runs = [(name, m, MESHES) for name, m in core_methods().items()]
+    if all_methods:
+        runs += [(name, m.prepare(single), ((2, 4),)) for name, m in other_methods(single).items()]
+    targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
+    for name, method, meshes in runs:
+        plan = method.bind(cfg)
+        want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
+        entry = {}
+        for shape in meshes:
+            got = _teacher(sharded[shape], plan, tokens, mask, targets)[: len(PROMPTS)]
+            entry[str(shape)] = {"max_abs_logprob_diff": float(np.abs(got - want).max()),
+                                 "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
+        results["methods"][name] = entry
+    for name, method in (("dense", core_methods()["dense"]), ("pop-per_shard", core_methods()["pop-per_shard"])):
+        ids, _ = generate_ids(sharded[(2, 4)], PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
+        want, _ = generate_ids(single, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
+        results["generate"][name] = ids == want
+    # smaller than any FFN weight matrix or compact block (d·f, d·n_keep), larger than any
+    # activation or logits row block ([B, V], [B, f]): an operand this size is weights moving
+    weight_elements = cfg.hidden_size * cfg.hidden_size
+    for name in ("dense", "static", "pop-shared", "pop-per_shard"):
+        hlo = _decode_step_hlo(sharded[(1, 8)], core_methods()[name])
+        results["collectives"][name] = {
+            "counts": sharding.count_collectives(hlo),
+            "largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0),
+            "weight_threshold_elements": weight_elements,
+        }
+    results["cpu_seconds"] = time.process_time() - start
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], all_methods="--all" in sys.argv)
+
+
+def run_worker(tmp_path, *args: str) -> dict:
+    out = tmp_path / "sharding.json"
+    env = {**os.environ, "XLA_FLAGS": WORKER_FLAGS, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, __file__, str(out), *args], env=env, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_methods(results: dict) -> None:
+    for name, entry in results["methods"].items():
+        for shape, got in entry.items():
+            assert got["greedy_same"], (name, shape)
+            assert got["max_abs_logprob_diff"] <= ATOL, (name, shape, got)
+
+
+@pytest.mark.slow
+def test_eight_devices_other_methods(tmp_path):
+    """The other registered methods that need no calibration, on the (2, 4) mesh."""
+    results = run_worker(tmp_path, "--all")
+    assert set(other_methods(None)) <= set(results["methods"])
+    check_methods(results)
+
+
+def test_eight_devices_match_one_device(tmp_path):
+    """The one subprocess with 8 fake devices (the rest of the suite keeps one): dense, static
+    and POP (shared, per sequence, per shard) give the log-probabilities and greedy choices of one
+    device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step moves no weights."""
+    results = run_worker(tmp_path)
+    print(json.dumps(results, indent=1))  # the collective counts, for docs/sharding.md (pytest -s)
+    assert results["devices"] == 8
+    assert set(core_methods()) <= set(results["methods"])
+    check_methods(results)
+    assert all(results["generate"].values()), results["generate"]
+    for name, found in results["collectives"].items():
+        assert found["counts"]["all-to-all"] == 0, (name, found)
+    per_shard = results["collectives"]["pop-per_shard"]
+    assert per_shard["largest_all_gather"] < per_shard["weight_threshold_elements"], per_shard

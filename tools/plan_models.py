@@ -1,0 +1,24 @@
+"""Memory plans of the published configs (docs/memory_plan.md). Run with fake CPU devices:
+XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tools/plan_models.py OUT.json [MODEL ...]"""
+import json
+import sys
+
+import popjax
+from popjax.memory_plan import DEVICES, fits, format_plan, memory_plan, resolve_config
+from popjax.sharding import make_mesh
+
+METHODS = {
+    "dense": popjax.Dense(),
+    "static 0.2": popjax.Static(0.2),
+    "POP 0.2 shared, per_shard": popjax.POP(0.2, partition="per_shard"),
+    "POP 0.2 per_sequence, per_shard": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard"),
+}
+out, models = sys.argv[1], sys.argv[2:] or ["llama-3.1-8b"]
+results = []
+for name in models:
+    for label, method in METHODS.items():
+        plan = memory_plan(resolve_config(name), make_mesh((1, 8)), method, 8, 4096, 2048, "bfloat16")
+        plan.update(config=name, label=label, fits={k: fits(plan, v) for k, v in DEVICES.items()})
+        print(format_plan(plan), plan["fits"], flush=True)
+        results.append(plan)
+        json.dump(results, open(out, "w"), indent=1)
