@@ -55,6 +55,7 @@ RULES: dict[str, str | None] = {
     "mlp_fused": "model",  # gate_up rows (gate rows then up rows, contiguous blocks)
     "mlp_shard": "model",  # the [n_shards] axis of POP's per-shard partition state
     "norm": None,  # RMSNorm scales
+    "experts": None,  # a MoE layer's expert blocks: replicated; each expert's channels split over "model"
 }
 
 # Parameter path (dots, layer index as \d+) -> logical axes of its dimensions.
@@ -73,6 +74,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"layers\.\d+\.mlp\.down", ("embed", "mlp")),
     (r"layers\.\d+\.mlp\.down_norm", ("mlp",)),
     (r"layers\.\d+\.mlp\.down_bias", ("embed",)),
+    # MoE layers (models/moe.py): expert stacks [E, ...] of the routed and the shared experts
+    (r"layers\.\d+\.mlp\.router", ("experts", "embed")),
+    (r"layers\.\d+\.mlp\.shared_gate", (None, "embed")),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.gate_up", ("experts", "mlp_fused", "embed")),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.down", ("experts", "embed", "mlp")),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.(down_norm|channel_order)", ("experts", "mlp")),
 )
 CACHE_AXES = ("batch", "cache_len", "kv_heads", "head_dim")  # k, v [B, S, n_kv, h]
 
