@@ -266,7 +266,15 @@ def constrain_method_state(plan: Any, state: Any) -> Any:
     ``data`` like the batch; other states keep the shardings their own code asks for."""
     if not active_mesh_axes() or state is None or getattr(plan, "aggregate", None) != "per_sequence":
         return state
-    return jax.tree_util.tree_map(lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1)) if a.ndim else a, state)
+    sizes = active_mesh_axes()
+    data = RULES["batch"] if sizes.get(RULES["batch"], 1) > 1 else None
+
+    def rows(a):  # the batch axis over "data"; other axes keep what the method's own code asked for
+        if not a.ndim or data is None or a.shape[0] % sizes[data]:
+            return a
+        return jax.lax.with_sharding_constraint(a, PartitionSpec(data, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1)))
+
+    return jax.tree_util.tree_map(rows, state)
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

@@ -106,10 +106,12 @@ def test_unknown_logical_axis_and_parameter_are_errors():
 
     from popjax import sharding
 
-    with pytest.raises(ValueError, match=r"unknown logical axis 'experts'.*valid axes"):
-        sharding.partition_spec(("experts", "embed"))
-    with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.router' has no logical axes"):
-        sharding.param_axes("layers.0.mlp.router")
+    with pytest.raises(ValueError, match=r"unknown logical axis 'vision_patches'.*valid axes"):
+        sharding.partition_spec(("vision_patches", "embed"))
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.lora_a' has no logical axes"):
+        sharding.param_axes("layers.0.mlp.lora_a")
+    # MoE parameters have axes: expert stacks replicated, each expert's channels over "model"
+    assert sharding.param_axes("layers.3.mlp.experts.gate_up") == ("experts", "mlp_fused", "embed")
 
 
 def test_mesh_that_does_not_divide_the_model_is_an_error():

@@ -25,6 +25,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ..sharding import constrain
 from .base import (
     IN_BOUNDS,
     TAKE_MODE,
@@ -156,6 +157,10 @@ class POPShardedPlan(AggregatedPlan):
                 w["down_norm"].reshape(S, block), order[:, n_r : n_r + n_c], axis=1, mode=TAKE_MODE
             ),
         }
+        # on a mesh, shard s's compact blocks live on the devices of shard s (moved there once, at
+        # prefill), so decode reads 1/S of them per device instead of a replicated copy
+        state = {k: constrain(v, ("mlp_shard",) + (None,) * (v.ndim - 1) if k != "gate_up" else (None, "mlp_shard", None, None))
+                 for k, v in state.items()}
         return y, state, {"importance": importance}
 
     def _decode(self, w, state, x, step, valid):
