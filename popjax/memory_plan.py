@@ -108,8 +108,9 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     capacity = engine.bucket_for(context - prompt, engine.CAPACITY_BUCKETS, "context - prompt")
     sharding.check_mesh(cfg, mesh)
     sharding.check_batch(batch, mesh)
-    with jax.set_mesh(mesh):  # a per-shard partition takes its shard count from the mesh
-        plan = method.bind(cfg)
+    if getattr(method, "partition", None) == "per_shard" and method.shards is None:
+        method = dataclasses.replace(method, shards=mesh.shape["model"])  # as POP.prepare does for a loaded model
+    plan = method.bind(cfg)
     graphdef, _ = nnx.split(_abstract_model(cfg, jnp.dtype(dtype)))
     params = sharding.abstract_params(cfg, mesh, dtype)
     rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
@@ -200,6 +201,7 @@ def register_cli(sub) -> None:
     p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2)")
     p.add_argument("--dtype", default="bfloat16")
     add_method_args(p)
+    p.add_argument("--partition", default=None, help="POP: global (default) or per_shard (compact blocks stay on their shard)")
     p.add_argument("--json", default=None, help="write the plan here")
     p.set_defaults(run=_cmd_plan)
 
@@ -214,6 +216,13 @@ def _cmd_plan(args) -> None:
     data, model_axis = parse_mesh(args.mesh)
     cfg = resolve_config(args.model)  # validate before any device work
     method = method_from_args(args)
+    if args.partition is not None:
+        from .methods import MethodError
+
+        if "partition" not in {f.name for f in dataclasses.fields(method)}:
+            raise MethodError(f"--partition applies to POP only, not to {args.method!r}")
+        method = dataclasses.replace(method, partition=args.partition)
+        method.__post_init__()  # validates the partition name
     if jax.device_count() < data * model_axis:
         if os.environ.get("POPJAX_PLAN_CHILD") or jax.default_backend() != "cpu":
             raise ValueError(f"mesh {args.mesh} needs {data * model_axis} devices; {jax.device_count()} are available")

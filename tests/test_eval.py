@@ -103,15 +103,14 @@ def test_eval_command_writes_records_table_and_plots(tmp_path, capsys):
 
     out, path = tmp_path / "report", tmp_path / "eval.json"
     code = main([
-        "eval", "--methods", "dense,pop", "--ratios", "0.2", "--tasks", "nll,fidelity,humaneval",
+        "eval", "--methods", "dense,pop", "--ratios", "0.2", "--tasks", "nll,fidelity",
         "--nll-prompt-tokens", "32", "--nll-decode-tokens", "16", "--nll-windows", "2",
-        "--fidelity-tokens", "8", "--fidelity-instructions", "2", "--fidelity-humaneval", "1",
-        "--humaneval-subset", "2", "--humaneval-tokens", "24", "--batch-size", "2",
+        "--fidelity-tokens", "8", "--fidelity-instructions", "2", "--fidelity-humaneval", "1", "--batch-size", "2",
         "--json", str(path), "--out", str(out),
     ])
     assert code == 0
     records = json.loads(path.read_text())["records"]
-    assert {(r["method"], r["task"]) for r in records} == {(m, t) for m in ("dense", "pop") for t in ("nll", "fidelity", "humaneval")}
+    assert {(r["method"], r["task"]) for r in records} == {(m, t) for m in ("dense", "pop") for t in ("nll", "fidelity")}
     by = {(r["method"], r["task"]): r for r in records}
     assert by[("dense", "fidelity")]["agreement"] == 1.0 and by[("dense", "fidelity")]["kl"] < 1e-6
     assert by[("pop", "nll")]["ratio"] == 0.2 and len(by[("pop", "nll")]["nll_by_position"]) == 16

@@ -13,7 +13,8 @@ COLUMNS = [("nll", "prose NLL"), ("code_nll", "code NLL"), ("kl", "KL(dense‖m)
            ("next_line_acc", "next-line acc")]
 
 records = [r for path in sys.argv[1:] for r in json.load(open(path))["records"]]
-cfg = popjax.load().config
+model = popjax.load()
+cfg = model.config
 rows = {}
 for r in records:
     rows.setdefault((r["method"], r["ratio"] or 0.0), {"record": r}).update({k: r[k] for k, _ in COLUMNS if k in r})
@@ -24,6 +25,6 @@ for (name, ratio), row in sorted(rows.items(), key=lambda kv: (kv[0][1], ORDER.i
     r = row["record"]
     hyper = {k: r.get(k) for k in ("ratio", "gamma", "aggregate")}
     method = make_method(name, **{k: v for k, v in hyper.items() if v is not None and (k != "ratio" or name != "dense")})
-    f = flops_report(cfg, method)
+    f = flops_report(cfg, method.prepare(model))  # calibrated methods: cached on disk
     cells = [f"{row[k]:.3f}" if k in row else "" for k, _ in present]
     print(f"| {ratio:.1f} | {name} | " + " | ".join(cells) + f" | {f['ffn_flops_per_token'] / 1e6:.1f} M ({100 * f['ffn_fraction_of_dense']:.1f}%) |")

@@ -1,4 +1,4 @@
-"""Memory plans of the published configs (docs/memory_plan.md). Run with fake CPU devices:
+"""Memory plans of the published configs (docs/scale_out.md). Run with fake CPU devices:
 XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tools/plan_models.py OUT.json [MODEL ...]"""
 import json
 import sys
@@ -14,9 +14,15 @@ METHODS = {
     "POP 0.2 per_sequence, per_shard": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard"),
 }
 out, models = sys.argv[1], sys.argv[2:] or ["llama-3.1-8b"]
-results = []
+try:  # plans already in OUT are kept and not recomputed
+    results = json.load(open(out))
+except FileNotFoundError:
+    results = []
+done = {(p["config"], p["label"]) for p in results}
 for name in models:
     for label, method in METHODS.items():
+        if (name, label) in done:
+            continue
         plan = memory_plan(resolve_config(name), make_mesh((1, 8)), method, 8, 4096, 2048, "bfloat16")
         plan.update(config=name, label=label, fits={k: fits(plan, v) for k, v in DEVICES.items()})
         print(format_plan(plan), plan["fits"], flush=True)
