@@ -114,3 +114,23 @@ def _isolated_cache(tmp_path_factory):
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+class CharTokenizer:
+    """Characters to ids in the tiny models' vocabulary (ids 3..152), no pad/EOS ids."""
+
+    pad_token_id = eos_token_id = None  # generate_ids asks for them
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 150 for c in text]}
+
+
+@pytest.fixture(scope="session")
+def char_model(tiny_checkpoints):
+    """The tiny llama-gqa model with `CharTokenizer`, for tests that tokenise text."""
+    import dataclasses
+
+    import popjax
+
+    directory, _ = tiny_checkpoints("llama-gqa")
+    return dataclasses.replace(popjax.load(directory, cache=False), tokenizer=CharTokenizer())

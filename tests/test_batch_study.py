@@ -4,7 +4,6 @@ BWAP's measured density following its schedule, the plots, the table, the CLI an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
 import pytest
@@ -33,19 +32,9 @@ P, N, W = 8, 6, 4
 BWAP_SMALL = dict(t_init=2, t_explore=1, t_prune=2)
 
 
-class _CharTokenizer:
-    """Characters to ids in the tiny model's vocabulary (as in tests/test_eval.py)."""
-
-    pad_token_id = eos_token_id = None  # generate_ids asks for them
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 150 for c in text]}
-
-
 @pytest.fixture(scope="module")
-def model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return dataclasses.replace(popjax.load(directory, cache=False), tokenizer=_CharTokenizer())
+def model(char_model):
+    return char_model
 
 
 @pytest.fixture(scope="module")

@@ -45,19 +45,9 @@ RATIOS = [0.2, 0.4]
 XLA_TOLERANCE = 0.10
 
 
-class _CharTokenizer:
-    """Characters to ids in the tiny model's vocabulary (as in tests/test_eval.py)."""
-
-    pad_token_id = eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 150 for c in text]}
-
-
 @pytest.fixture(scope="module")
-def model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return dataclasses.replace(popjax.load(directory, cache=False), tokenizer=_CharTokenizer())
+def model(char_model):
+    return char_model
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,8 @@ def evaluate(
     if "next_line" in task_names:
         import tempfile
 
-        task_dir = tempfile.mkdtemp(prefix="popjax-next-line-")
+        task_tmp = tempfile.TemporaryDirectory(prefix="popjax-next-line-")  # removed when the sweep returns
+        task_dir = task_tmp.name
         write_next_line_task(task_dir, settings.next_line_play, settings.next_line_documents)
     jobs = [(m, t) for m in methods for t in task_names]
     for method, task in tqdm(jobs, desc="eval", unit="run"):
