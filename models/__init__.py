@@ -3,6 +3,7 @@
 from .config import ConfigError, ModelConfig, RopeScaling
 from .decoder import DecoderLayer, Transformer, abstract_model
 from .layers import Derived, KVCache
+from .scan import ScannedTransformer, scan_layers
 
 __all__ = [
     "ConfigError",
@@ -11,6 +12,8 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "RopeScaling",
+    "ScannedTransformer",
     "Transformer",
     "abstract_model",
+    "scan_layers",
 ]

@@ -32,19 +32,19 @@ def cache_slots(prompt_slots: int, capacity: int) -> int:
     return slots if slots <= KV_BLOCK else -(-slots // KV_BLOCK) * KV_BLOCK
 
 
-def _group(q: jax.Array, n_kv: int) -> jax.Array:
+def group_queries(q: jax.Array, n_kv: int) -> jax.Array:
     """q [B, T, n_q, h] -> [B, T, n_kv, group, h]."""
     B, T, n_q, h = q.shape
     return q.reshape(B, T, n_kv, n_q // n_kv, h)
 
 
-def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+def attention_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
     """qg [B, T, kv, g, h], k [B, S, kv, h] -> fp32 scaled scores [B, kv, g, T, S]."""
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     return s * (qg.shape[-1] ** -0.5)
 
 
-def _online_update(carry, scores, v):
+def online_softmax_update(carry, scores, v):
     """One block of the online softmax: carry (m, l [B,kv,g,T], acc [B,kv,g,T,h] fp32),
     masked scores [B,kv,g,T,s], v [B,s,kv,h]."""
     m, l, acc = carry
@@ -56,7 +56,7 @@ def _online_update(carry, scores, v):
     return m_new, l, acc * correction[..., None] + pv
 
 
-def _init_carry(B, n_kv, g, T, h):
+def init_softmax_carry(B, n_kv, g, T, h):
     return (
         jnp.full((B, n_kv, g, T), MASKED, jnp.float32),
         jnp.zeros((B, n_kv, g, T), jnp.float32),
@@ -64,7 +64,7 @@ def _init_carry(B, n_kv, g, T, h):
     )
 
 
-def _finish(carry, dtype) -> jax.Array:
+def finish_softmax(carry, dtype) -> jax.Array:
     """-> [B, T, kv, g, h] in ``dtype``."""
     _, l, acc = carry
     return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
@@ -72,7 +72,7 @@ def _finish(carry, dtype) -> jax.Array:
 
 def _direct(qg, k, v, mask) -> jax.Array:
     """Full softmax: mask [B, T, S] -> [B, T, kv, g, h]."""
-    scores = jnp.where(mask[:, None, None], _scores(qg, k), MASKED)
+    scores = jnp.where(mask[:, None, None], attention_scores(qg, k), MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v)
 
@@ -82,7 +82,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
     [B, T, n_q, h]. Query t attends to valid keys s ≤ t."""
     B, T, n_q, h = q.shape
     n_kv = k.shape[2]
-    qg = _group(q, n_kv)
+    qg = group_queries(q, n_kv)
     slot = jnp.arange(T)
     if T <= PREFILL_BLOCK or T % PREFILL_BLOCK:
         mask = key_valid[:, None, :] & (slot[None, None, :] <= slot[None, :, None])
@@ -101,14 +101,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
                 valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
                 k_slot = j * bs + jnp.arange(bs)
                 mask = valid_j[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
-                scores = jnp.where(mask[:, None, None], _scores(q_i, k_j), MASKED)
-                return _online_update(carry, scores, v_j)
+                scores = jnp.where(mask[:, None, None], attention_scores(q_i, k_j), MASKED)
+                return online_softmax_update(carry, scores, v_j)
 
             # blocks above the diagonal are all masked: skip their work entirely
             return jax.lax.cond(j <= i, attend, lambda c: c, carry), None
 
-        carry, _ = jax.lax.scan(key_block, _init_carry(B, n_kv, g, bs, h), jnp.arange(nb))
-        return _finish(carry, v.dtype)
+        carry, _ = jax.lax.scan(key_block, init_softmax_carry(B, n_kv, g, bs, h), jnp.arange(nb))
+        return finish_softmax(carry, v.dtype)
 
     blocks = jax.lax.map(query_block, jnp.arange(nb))  # [nb, B, bs, kv, g, h]
     return jnp.moveaxis(blocks, 0, 1).reshape(B, T, n_q, h)
@@ -123,7 +123,7 @@ def cached_attention(
     slots are read."""
     B, T, n_q, h = q.shape
     S, n_kv = k_cache.shape[1], k_cache.shape[2]
-    qg = _group(q, n_kv)
+    qg = group_queries(q, n_kv)
     bs = min(KV_BLOCK, S)
     if S % bs:
         raise ValueError(f"cache of {S} slots is not a multiple of the {bs}-slot block; size it with cache_slots()")
@@ -135,9 +135,9 @@ def cached_attention(
         valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
         k_slot = j * bs + jnp.arange(bs)
         mask = valid_j[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
-        scores = jnp.where(mask[:, None, None], _scores(qg, k_j), MASKED)
-        return _online_update(carry, scores, v_j)
+        scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j), MASKED)
+        return online_softmax_update(carry, scores, v_j)
 
     n_blocks = (write_index + T + bs - 1) // bs
-    carry = jax.lax.fori_loop(0, n_blocks, key_block, _init_carry(B, n_kv, n_q // n_kv, T, h))
-    return _finish(carry, v_cache.dtype).reshape(B, T, n_q, h)
+    carry = jax.lax.fori_loop(0, n_blocks, key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h))
+    return finish_softmax(carry, v_cache.dtype).reshape(B, T, n_q, h)

@@ -40,15 +40,21 @@ class DecoderLayer(nnx.Module):
         if gate is not None:
             attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
-        if isinstance(self.mlp, MoEWeights):
-            y, mlp_state, aux = moe_mlp(self.mlp, mlp_fn, mlp_state, self.mlp_norm(x), jnp.asarray(index, jnp.int32))
-        else:
-            weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
-            y, mlp_state, aux = mlp_fn(weights, mlp_state, self.mlp_norm(x))
-        y = y.astype(x.dtype)
+        y, mlp_state, aux = self.feed_forward(x, mlp_fn, mlp_state, index)
         if gate is not None:
             y = y * gate[..., None].astype(y.dtype)
         return x + y, cache, mlp_state, aux
+
+    def feed_forward(self, x, mlp_fn: MLPFn, mlp_state, index=0):
+        """The FFN branch on the residual stream x [B, T, d] -> (y [B, T, d] in x's dtype, mlp_state,
+        aux); the caller adds y to x (shared with models.scan's layer body)."""
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoEWeights):
+            y, mlp_state, aux = moe_mlp(self.mlp, mlp_fn, mlp_state, h, jnp.asarray(index, jnp.int32))
+        else:
+            weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
+            y, mlp_state, aux = mlp_fn(weights, mlp_state, h)
+        return y.astype(x.dtype), mlp_state, aux
 
 
 class Transformer(nnx.Module):
@@ -68,6 +74,11 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             layer.mlp.finalize()
 
+    def map_layers(self, fn: Callable, *per_layer: Sequence[Any]) -> tuple:
+        """fn on each layer's entries of per-layer sequences (the engine's caches and method
+        states) -> a tuple over layers (models.scan.ScannedTransformer maps its stacked axis)."""
+        return tuple(fn(*entries) for entries in zip(*per_layer))
+
     def logits(self, h: jax.Array) -> jax.Array:
         """h [B, T, d] -> fp32 logits [B, T, V]."""
         h = self.final_norm(h)
@@ -80,7 +91,7 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         key_valid: jax.Array,
         mlp_fn: MLPFn,
-        mlp_states: Sequence[Any],
+        mlp_states: Sequence[Any] | None,
         caches: Sequence[KVCache] | None = None,
         write_index: jax.Array | int = 0,
         last_only: bool = False,
@@ -88,8 +99,9 @@ class Transformer(nnx.Module):
         layer_modes: Sequence[str] | None = None,
         prefix_masked_layers: frozenset[int] = frozenset(),
         prefix_end: jax.Array | int = 0,
-    ) -> tuple[jax.Array, list[KVCache], list[Any], list[Any]]:
-        """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states, aux.
+    ) -> tuple[jax.Array, tuple[KVCache, ...], tuple[Any, ...], list[Any]]:
+        """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states (tuples
+        over layers), aux (a list over layers). ``mlp_states`` None: no layer has a state yet.
 
         With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
         their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
@@ -119,7 +131,7 @@ class Transformer(nnx.Module):
                 layer_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= prefix_end)[None]
             fn = mlp_fn[i] if isinstance(mlp_fn, (list, tuple)) else mlp_fn
             x, cache, state, aux = layer(
-                x, cos, sin, layer_valid, cache, write_index, fn, mlp_states[i],
+                x, cos, sin, layer_valid, cache, write_index, fn, None if mlp_states is None else mlp_states[i],
                 None if gates is None else gates[i], i,
             )
             new_caches.append(cache)
@@ -127,7 +139,7 @@ class Transformer(nnx.Module):
             auxes.append(aux)
         if last_only:
             x = x[:, -1:]
-        return self.logits(x), new_caches, new_states, auxes
+        return self.logits(x), tuple(new_caches), tuple(new_states), auxes
 
 
 LAYER_MODES = ("full", "kv", "kv_calibrated", "none")

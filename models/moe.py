@@ -61,6 +61,20 @@ class MoEConfig:
     def blocks(self, width: int) -> int:
         return math.ceil(width / self.expert_size)
 
+    def slots(self, n_layers: int) -> int:
+        """Block slots per layer for per-block constants (calibration tables ``[L, slots, ...]``):
+        routed expert e is slot e, always-active block b is slot ``num_experts + b``."""
+        return self.num_experts + max(self.blocks(self.always_width(l)) for l in range(n_layers))
+
+    def slot_mask(self, n_layers: int) -> np.ndarray:
+        """[L, slots] bool: which slots hold a block in each layer (a dense layer has no experts;
+        layers have different numbers of always-active blocks)."""
+        mask = np.zeros((n_layers, self.slots(n_layers)), bool)
+        for l in range(n_layers):
+            mask[l, : self.num_experts] = self.is_sparse(l)
+            mask[l, self.num_experts : self.num_experts + self.blocks(self.always_width(l))] = True
+        return mask
+
     def activated_mlp_params(self, d: int, n_layers: int) -> int:
         """FFN parameters a token activates, summed over layers: top-k experts + shared expert
         in sparse layers, the dense FFN elsewhere (router and shared gate excluded)."""
@@ -155,6 +169,7 @@ class MoEWeights(nnx.Module):
     def __init__(self, cfg, dtype: jnp.dtype, layer: int):
         moe, d = cfg.moe, cfg.hidden_size
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.n_experts = moe.num_experts  # slot offset of the always-active blocks (MoEConfig.slots)
         if moe.is_sparse(layer):
             self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype))
             self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype)
@@ -231,6 +246,26 @@ def fuse_layer(cfg, layer: int, mlp: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def slot_array(cfg, layer: int, mlp: Mapping[str, Any], name: str) -> np.ndarray:
+    """One layer's per-block weight ``name`` ("gate_up", "down", ...) by slot (`MoEConfig.slots`):
+    ``mlp`` is the layer's pure param dict -> [slots, ...] (zeros in slots without a block)."""
+    moe = cfg.moe
+    parts = [(0, mlp.get("experts")), (moe.num_experts, mlp.get("shared"))]
+    sample = next(np.asarray(p[name]) for _, p in parts if p is not None)
+    out = np.zeros((moe.slots(cfg.num_hidden_layers), *sample.shape[1:]), sample.dtype)
+    for offset, part in parts:
+        if part is not None:
+            block = np.asarray(part[name])
+            out[offset : offset + block.shape[0]] = block
+    return out
+
+
+def table_row(w: Mapping[str, jax.Array], slots: int) -> jax.Array:
+    """The row of ``w``'s block in a per-block constant table flattened to [L · slots] rows
+    (``slots`` = 0: a dense model's per-layer table, row = layer)."""
+    return w["layer"] * slots + w["block"] if slots else w["layer"]
+
+
 # ---------------------------------------------------------------- forward
 
 MLPFn = Callable[..., tuple[jax.Array, Any, Any]]
@@ -250,7 +285,9 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> 
 def _run(mlp_fn: MLPFn, stack: dict[str, jax.Array], layer, state, x, routed=None):
     """The method on every block of a stack through vmap: (y [n, B, T, d], state [n, ...], aux [n, ...]).
     ``routed`` [n, B, T] (routed experts) is passed on as the 4th argument, which the engine
-    ANDs into ``valid``; always-active blocks call mlp_fn with three arguments."""
+    ANDs into ``valid``; always-active blocks call mlp_fn with three arguments. Each block's
+    weights carry ``layer`` and ``block`` (its slot, `MoEConfig.slots`), so methods with
+    calibrated per-block constants index them by ``[layer, block]``."""
 
     def one(w, s, r):
         w = {**w, "layer": layer}
@@ -312,7 +349,8 @@ def moe_mlp(mlp: MoEWeights, mlp_fn: MLPFn, state: Any, x: jax.Array, layer: jax
     y = jnp.zeros_like(x)
     if hasattr(mlp, "router"):
         weights, ids = route(x, mlp.router[...], mlp.top_k, mlp.norm_topk_prob)
-        stack, n_experts = mlp.experts.as_dict(), mlp.router.shape[0]
+        n_experts = mlp.router.shape[0]
+        stack = {**mlp.experts.as_dict(), "block": jnp.arange(n_experts, dtype=jnp.int32)}
         expert_state = state.get("experts")
         mode = dispatch
         if mode == "auto":
@@ -326,7 +364,9 @@ def moe_mlp(mlp: MoEWeights, mlp_fn: MLPFn, state: Any, x: jax.Array, layer: jax
         y = y + y_e
         aux["router_topk"] = ids
     if hasattr(mlp, "shared"):
-        y_s, new_state["shared"], aux["shared"] = _run(mlp_fn, mlp.shared.as_dict(), layer, state.get("shared"), x)
+        shared = mlp.shared.as_dict()
+        shared["block"] = mlp.n_experts + jnp.arange(shared["down"].shape[0], dtype=jnp.int32)
+        y_s, new_state["shared"], aux["shared"] = _run(mlp_fn, shared, layer, state.get("shared"), x)
         y_s = jnp.sum(y_s, axis=0)
         if hasattr(mlp, "shared_gate"):
             y_s = jax.nn.sigmoid(linear(x, mlp.shared_gate[...])) * y_s

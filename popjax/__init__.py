@@ -11,7 +11,7 @@ from .loading import LoadedModel, convert_source, load
 from . import calibration, layer_importance, memory_plan, pruned, sharding
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
-    Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP,
+    Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP,
 )
 from .convert.default_model import DEFAULT_MODEL
 
@@ -25,6 +25,7 @@ __all__ = [
     "GateScoredPOP",
     "LayerBandsPOP",
     "LowRankPOP",
+    "ShortlistPOP",
     "ProbePruning",
     "TEAL",
     "WandaSP",

@@ -184,7 +184,7 @@ def run_suites(args: argparse.Namespace, model: LoadedModel, prompts: list[list[
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
     cfg, tok = model.config, model.tokenizer
     itemsize = jnp.dtype(model.dtype).itemsize
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
@@ -232,6 +232,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "model": str(args.model),
         "dtype": model.dtype,
+        "scan_layers": args.scan_layers,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "devices": [str(d) for d in jax.devices()]},
@@ -317,6 +318,7 @@ def register_cli(sub) -> None:
     p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan (docs/performance.md)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["static", "pop", "dynamic"])
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.4])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])

@@ -26,6 +26,12 @@ A statistic is a frozen (hashable: it is part of a jit static argument) `Statist
 
 Override `Statistic.output` to collect under a pruned model (it sees ``w["layer"]``). Quantile
 thresholds: `log_histogram` inside `collect`, `histogram_quantile` on the host.
+
+**Mixture-of-experts models** (docs/moe.md): the statistic runs on every FFN block — each
+routed expert over the calibration tokens the router sent to it (the engine narrows ``valid``),
+each shared-expert or dense-layer block over all tokens — and `collect` returns
+``{name: [L, slots, ...]}`` by block slot (`models.moe.MoEConfig.slots`: expert e is slot e,
+always-active block b is slot E + b; slots without a block hold zeros).
 """
 
 from __future__ import annotations
@@ -226,7 +232,8 @@ class CollectorPlan(Plan):
 
 def collect(model, statistic: Statistic, corpus: Corpus, batch_size: int = DEFAULT_BATCH) -> dict[str, np.ndarray]:
     """Runs ``statistic`` over the corpus: -> {name: [L, ...]} summed over every token (float64
-    for float statistics, int64 for integer ones). Batches of ``batch_size`` windows, in order."""
+    for float statistics, int64 for integer ones; a MoE model's are [L, slots, ...], see the
+    module docstring). Batches of ``batch_size`` windows, in order."""
     from . import engine
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -242,11 +249,32 @@ def collect(model, statistic: Statistic, corpus: Corpus, batch_size: int = DEFAU
     for start in range(0, len(corpus.windows), batch_size):
         tokens = jnp.asarray(corpus.windows[start : start + batch_size])
         _, _, _, aux = engine.prefill(model.graphdef, model.params, tokens, jnp.ones_like(tokens), plan, with_aux=True)
-        for name, value in jax.device_get(aux).items():
+        for name, value in by_slot(model.config, jax.device_get(aux)).items():
             value = np.asarray(value)
             value = value.astype(np.int64 if np.issubdtype(value.dtype, np.integer) or value.dtype == bool else np.float64)
             totals[name] = totals[name] + value if name in totals else value
     return totals
+
+
+def by_slot(cfg, aux: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A MoE model's stacked aux ({"experts": {name: [L, E, ...]}, "shared": {name: [L, n, ...]},
+    "router_topk": ...}) -> {name: [L, slots, ...]} (`models.moe.MoEConfig.slots`); a dense
+    model's aux as it is."""
+    if cfg.moe is None:
+        return aux
+    L, E = cfg.num_hidden_layers, cfg.moe.num_experts
+    n_shared = cfg.moe.slots(L) - E
+    parts = {kind: aux.get(kind) or {} for kind in ("experts", "shared")}
+    out = {}
+    for name in dict.fromkeys([*parts["experts"], *parts["shared"]]):
+        sample = np.asarray(parts["experts"].get(name, parts["shared"].get(name)))
+        blocks = []
+        for kind, n in (("experts", E), ("shared", n_shared)):
+            value = parts[kind].get(name)
+            value = np.zeros((L, n, *sample.shape[2:]), sample.dtype) if value is None else np.asarray(value)
+            blocks.append(value)
+        out[name] = np.concatenate(blocks, axis=1)
+    return out
 
 
 # ---------------------------------------------------------------- the cache

@@ -56,7 +56,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     import popjax
 
     method = method_from_args(args)  # validate before the (slow) load
-    model = popjax.load(args.model, dtype=args.dtype)
+    model = popjax.load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
     if getattr(method, "kv", None) == "calibrated":  # fitted once per model and skip set, cached
         from .kv_calibration import calibrate_kv, with_prefill_kv
 
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    gen.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)

@@ -14,6 +14,10 @@
   capacity costs memory, not time.
 * ``max_new_tokens`` and the sampling parameters are traced values: no recompiles.
 
+* The model is a ``Transformer`` (caches and method states are tuples over its L layers) or a
+  ``models.scan.ScannedTransformer`` (one KVCache and one state pytree stacked on a leading [L]
+  axis); the engine asks the model to map a per-layer function over them (``map_layers``).
+
 Shapes: B batch bucket, T prompt bucket, S cache slots, V vocabulary, L layers.
 """
 
@@ -54,14 +58,54 @@ def stack_layers(per_layer: list[Any]) -> Any:
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
 
-def stack_aux(per_layer: list[Any]) -> Any:
+def stack_aux(per_layer: list[Any] | Any) -> Any:
     """Per-layer aux -> one pytree stacked over layers; layers that produced none (skipped in
-    prefill) get zeros shaped like the others'."""
-    full = next((a for a in per_layer if jax.tree_util.tree_leaves(a)), None)
-    if full is None:
+    prefill) get zeros shaped like the others'. A scanned model's aux (not a list: the scan
+    already stacked it over layers) passes through.
+
+    Layers of different FFN kinds (a MoE model's dense layers: no routed experts, another
+    number of blocks; docs/moe.md) are padded with zeros to the union of their dict entries,
+    each at its largest extent per axis, so e.g. ``["experts"]`` is [L, E, ...] for every layer."""
+    if not isinstance(per_layer, list):
+        return per_layer
+    full = [a for a in per_layer if jax.tree_util.tree_leaves(a)]
+    if not full:
         return {}
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, full)
+    shapes = lambda t: (jax.tree_util.tree_structure(t), [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(t)])
+    if any(shapes(a) != shapes(full[0]) for a in full):
+        like = _union_like(full, "aux")
+        return stack_layers([_pad_like(a, like) for a in per_layer])
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, full[0])
     return stack_layers([a if jax.tree_util.tree_leaves(a) else zeros for a in per_layer])
+
+
+def _union_like(trees: list[Any], path: str) -> Any:
+    """The smallest layout all ``trees`` fit in: dicts -> the union of their (non-empty) entries;
+    arrays -> jax.ShapeDtypeStruct with the largest extent per axis."""
+    if all(isinstance(t, dict) for t in trees):
+        keys = dict.fromkeys(k for t in trees for k in t if jax.tree_util.tree_leaves(t[k]))
+        return {k: _union_like([t[k] for t in trees if k in t and jax.tree_util.tree_leaves(t[k])], f"{path}[{k!r}]") for k in keys}
+    if all(hasattr(t, "shape") for t in trees) and len({t.ndim for t in trees}) == 1:
+        return jax.ShapeDtypeStruct(tuple(max(n) for n in zip(*(t.shape for t in trees))), trees[0].dtype)
+    raise ValueError(f"per-layer {path} differ in structure or rank and cannot be stacked over layers: {[jax.tree_util.tree_structure(t) for t in trees]}")
+
+
+def _pad_like(tree: Any, like: Any) -> Any:
+    """``tree`` zero-padded to the layout ``like`` (`_union_like`); missing entries are zeros."""
+    if isinstance(like, dict):
+        tree = tree if isinstance(tree, dict) else {}
+        return {k: _pad_like(tree.get(k), v) for k, v in like.items()}
+    if tree is None or not jax.tree_util.tree_leaves(tree):
+        return jnp.zeros(like.shape, like.dtype)
+    return jnp.pad(tree.astype(like.dtype), [(0, n - m) for n, m in zip(like.shape, tree.shape)])
+
+
+def stacked_method_states(state: "DecodeState") -> Any:
+    """The method states stacked over layers ({} for a stateless plan): an unrolled model's
+    tuple of L states is stacked; a scanned model's (its caches are one stacked KVCache) are."""
+    if isinstance(state.caches, KVCache):  # no leaves (a stateless plan): {} as stack_aux gives
+        return state.method_states if jax.tree_util.tree_leaves(state.method_states) else {}
+    return {} if state.method_states[0] is None else stack_aux(list(state.method_states))  # MoE: layer kinds differ
 
 
 class DecodeState(NamedTuple):
@@ -73,8 +117,8 @@ class DecodeState(NamedTuple):
     key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
     prefix_end: jax.Array  # [] int32: first slot not written by prefill (see Plan.prefix_masked_layers)
-    caches: tuple[KVCache, ...]  # L × k, v [B, S, n_kv, h]
-    method_states: tuple[Any, ...]  # L × the plan's state
+    caches: tuple[KVCache, ...] | KVCache  # L × k, v [B, S, n_kv, h]; scanned model: k, v [L, B, S, n_kv, h]
+    method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 
 
 class Sampler(NamedTuple):
@@ -93,6 +137,7 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
     since rows are left-padded) and runs that token through the full model as a decode-path
     step; ``all_logits`` (``forward``) prefills every position instead."""
     B, T = tokens.shape
+    L = model.cfg.num_hidden_layers
     boundary = plan.boundary and not all_logits
     prefill_mask = mask.at[:, -1].set(0) if boundary else mask
     valid = prefill_mask.astype(bool)
@@ -102,10 +147,10 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         valid,
         # ``routed`` [B, T] (a MoE expert's tokens, models/moe.py) narrows ``valid``; dense FFNs omit it
         lambda w, _state, x, routed=None: plan.prefill(w, x, valid if routed is None else valid & routed),
-        [None] * len(model.layers),
+        None,  # no method state yet
         last_only=not all_logits,
         gates=gates,
-        layer_modes=plan.prefill_layer_modes(len(model.layers)),
+        layer_modes=plan.prefill_layer_modes(L),
     )
     S = cache_slots(T, capacity)
     grow = lambda a: jnp.zeros((B, S, *a.shape[2:]), a.dtype).at[:, :T].set(a)
@@ -117,8 +162,8 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         live=jnp.any(mask.astype(bool), axis=1),
         prefix_end=jnp.int32(T - int(boundary)),
         # sharding hints (batch over "data", KV heads over "model"); no-ops without a mesh
-        caches=tuple(KVCache(*sharding.constrain_cache(grow(c.k), grow(c.v))) for c in caches),
-        method_states=tuple(sharding.constrain_method_state(plan, s) for s in states),
+        caches=model.map_layers(lambda c: KVCache(*sharding.constrain_cache(grow(c.k), grow(c.v))), caches),
+        method_states=model.map_layers(lambda s: sharding.constrain_method_state(plan, s), states),
     )
     if not boundary:
         return (logits if all_logits else logits[:, -1]), state, aux
@@ -154,8 +199,8 @@ def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = Fals
         position=state.position + 1,
         index=state.index + 1,
         step=state.step + 1,
-        caches=tuple(caches),
-        method_states=tuple(states),
+        caches=caches,
+        method_states=states,
     )
     return logits[:, 0], state, aux
 
@@ -178,11 +223,12 @@ def _generation_step(model, plan, carry: Sampler, sampling, stop_ids, pad_id):
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
 def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None):
     """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
-    the prompt caches (L × KVCache [B, S ≥ T, n_kv, h]); method states (L); aux stacked over
-    layers). ``gates`` [L, B, T] are optional virtual layer gates (SPEC §4; differentiable)."""
+    the prompt caches (L × KVCache [B, S ≥ T, n_kv, h], or a scanned model's stacked KVCache);
+    method states (L, or stacked); aux stacked over layers). ``gates`` [L, B, T] are optional
+    virtual layer gates (SPEC §4; differentiable)."""
     model = nnx.merge(graphdef, params)
     logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates)
-    return logits, list(state.caches), list(state.method_states), stack_aux(aux) if with_aux else {}
+    return logits, state.caches, state.method_states, stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "with_aux"))
@@ -208,7 +254,7 @@ def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sa
     tokens = jnp.full((B, capacity), pad_id, jnp.int32).at[:, 0].set(carry.token)
     run = lambda c: _generation_step(model, plan, c, sampling, stop_ids, pad_id)
     if trace:
-        aux_shape = jax.eval_shape(lambda c: stack_layers(run(c)[1]), carry)
+        aux_shape = jax.eval_shape(lambda c: stack_aux(run(c)[1]), carry)
         records = jax.tree_util.tree_map(lambda s: jnp.zeros((capacity - 1, *s.shape), s.dtype), aux_shape)
     else:
         records = {}
@@ -222,7 +268,7 @@ def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sa
         carry, aux = run(carry)
         tokens = tokens.at[:, i].set(carry.token)
         if trace:
-            records = jax.tree_util.tree_map(lambda buf, a: buf.at[i - 1].set(a), records, stack_layers(aux))
+            records = jax.tree_util.tree_map(lambda buf, a: buf.at[i - 1].set(a), records, stack_aux(aux))
         return i + 1, carry, tokens, records
 
     steps, carry, tokens, records = jax.lax.while_loop(cond, body, (jnp.int32(1), carry, tokens, records))

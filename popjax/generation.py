@@ -37,7 +37,8 @@ class Generation:
         return self.texts[0]
 
 
-def _encode(model: LoadedModel, prompts: list[Prompt], chat: bool | None) -> list[list[int]]:
+def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool | None) -> list[list[int]]:
+    """Prompts (text, chat messages or token ids) -> token ids; a clear error for an empty one."""
     for i, prompt in enumerate(prompts):
         if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError(f"prompt {i} is empty; give at least one non-whitespace character")
@@ -209,8 +210,7 @@ def generate_ids(
     carry, prefill_aux = req.start(model, with_aux=return_trace)
     partition = None
     if return_trace:  # read before the decode loop consumes (donates) the carry
-        states = carry.state.method_states
-        partition = jax.tree_util.tree_map(np.asarray, engine.stack_layers(list(states))) if states[0] is not None else {}
+        partition = jax.tree_util.tree_map(np.asarray, engine.stacked_method_states(carry.state))
     out, steps, records, _ = req.decode(model, carry, max_new_tokens, trace=return_trace)
     out = np.asarray(out)[: req.batch, :max_new_tokens]
     results = [req.until_stop(row) for row in out.tolist()]
@@ -277,7 +277,7 @@ def stream(
     ``generate``): ``for piece in popjax.stream(model, "Hi"): print(piece.text, end="")``."""
     if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
         raise ValueError(f"stream() takes one prompt (a string or a chat conversation); got {type(prompt).__name__}")
-    prompt_ids = _encode(model, [prompt], chat)[0]
+    prompt_ids = encode_prompts(model, [prompt], chat)[0]
     ids: list[int] = []
     shown = ""
     for token in stream_ids(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids):
@@ -325,7 +325,7 @@ def generate(
         and isinstance(prompt_or_prompts[0], dict)
     )
     prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
-    prompt_ids = _encode(model, prompts, chat)
+    prompt_ids = encode_prompts(model, prompts, chat)
     ids, trace = generate_ids(
         model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, return_trace
     )

@@ -139,7 +139,8 @@ def layer_streams(model, tokens: jax.Array, valid: jax.Array, skip: tuple[int, .
     Layers before the first skipped one are shared; nothing after the last is computed."""
     cos, sin = rope_cos_sin(model.cfg, positions_from_mask(valid.astype(jnp.int32)))
     plan = Dense().bind(model.cfg)
-    mlp = lambda w, _state, h: plan.prefill(w, h, valid)
+    # ``routed`` [B, T]: a MoE expert's tokens (models/moe.py), narrowing ``valid`` as the engine does
+    mlp = lambda w, _state, h, routed=None: plan.prefill(w, h, valid if routed is None else valid & routed)
     run = lambda i, x: model.layers[i](x, cos, sin, valid, None, 0, mlp, None, None, i)[0]
     x_full = model.embed[...][tokens]
     x_skip = x_full

@@ -21,6 +21,7 @@ from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
 from .models.layers import MLPWeights
 from .models.moe import fuse_layer as fuse_moe_layer
+from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,10 @@ def default_dtype() -> str:
     return "bfloat16" if jax.default_backend() in ACCELERATOR_BACKENDS else "float32"
 
 
-def load(source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bool = True, mesh: Any = None) -> LoadedModel:
+def load(
+    source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bool = True, mesh: Any = None,
+    scan_layers: bool = False,
+) -> LoadedModel:
     """Loads a model for generation.
 
     Args:
@@ -150,6 +154,10 @@ def load(source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bo
       cache: convert once and keep the result under ``$POPJAX_CACHE`` (~/.cache/popjax).
       mesh: a ``popjax.sharding.make_mesh(...)`` mesh: each weight goes from host memory straight
         into its sharding (each device receives only its block; popjax.sharding.RULES).
+      scan_layers: stack the layers' parameters once on a leading [L] axis and run them with
+        ``lax.scan`` (models/scan.py): one layer's code per program, so compiles are faster for
+        deep models; identical results. Needs identical layers (ValueError otherwise); the
+        calibration/analysis code that walks ``model.layers[i]`` needs the unrolled default.
     """
     dtype = default_dtype() if dtype is None else dtype
     conv.check_dtype(dtype)
@@ -161,7 +169,7 @@ def load(source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bo
         if not cache:
             converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
             tokenizer = _load_tokenizer_direct(kind, path)
-            return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh)
+            return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
         if not is_converted(directory):
             log.warning("converting %s once into %s", path, directory)
             try:
@@ -174,7 +182,7 @@ def load(source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bo
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
-    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh)
+    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
 
 
 def _load_tokenizer_direct(kind: str, path: Path):
@@ -213,11 +221,22 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None) -> LoadedModel:
+def build_model(
+    cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None,
+    scan_layers: bool = False,
+) -> LoadedModel:
     """Places a converted checkpoint tree into the Transformer and computes derived constants;
-    with a ``mesh``, every tensor goes from host memory directly into its sharding."""
+    with a ``mesh``, every tensor goes from host memory directly into its sharding. With
+    ``scan_layers`` the layers are stacked on the host first (models.scan.ScannedTransformer),
+    so each stacked tensor is placed once, never stacked on the device."""
     dtype_jnp = jnp.dtype(dtype)
-    graphdef, state = nnx.split(_abstract_model(cfg, dtype_jnp))
+    tree = fuse_checkpoint(cfg, params)
+    if scan_layers:
+        abstract = abstract_scanned_model(cfg, dtype_jnp)  # ValueError for non-identical layers
+        tree = stack_layer_tree(tree, cfg.num_hidden_layers)
+    else:
+        abstract = abstract_model_of(cfg, dtype_jnp)
+    graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     place = lambda name, array, dt: jnp.asarray(array, dt)
     if mesh is not None:
@@ -225,7 +244,7 @@ def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str
 
         sharding.check_mesh(cfg, mesh)
         place = lambda name, array, dt: sharding.place(name, array, dt, mesh)
-    _fill(pure, fuse_checkpoint(cfg, params), "", place)
+    _fill(pure, tree, "", place)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     model.finalize()
@@ -236,7 +255,21 @@ def build_model(cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str
     return loaded
 
 
-def _abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
+def with_scanned_layers(model: LoadedModel) -> LoadedModel:
+    """An unrolled loaded model -> the same weights with the layers stacked for ``lax.scan``
+    (models.scan.scan_layers; done once, here, outside any jit). With a mesh, the stacked
+    parameters are placed in their shardings (the layer axis is not split)."""
+    scanned = stack_model_layers(nnx.merge(model.graphdef, model.params))
+    graphdef, state = nnx.split(scanned)
+    loaded = dataclasses.replace(model, graphdef=graphdef, params=state)
+    if model.mesh is not None:
+        from . import sharding
+
+        loaded = sharding.shard_params(loaded, model.mesh)
+    return loaded
+
+
+def abstract_model_of(cfg: ModelConfig, dtype: jnp.dtype):
     """`abstract_model`, with each layer's MLP at its own width when the config has per-layer
     widths (a FLAP-pruned checkpoint, popjax.pruned)."""
     if cfg.intermediate_sizes is None:

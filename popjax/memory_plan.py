@@ -96,7 +96,7 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
 
     from . import engine, sharding
     from .bench import bytes_per_step
-    from .loading import _abstract_model
+    from .loading import abstract_model_of
     from .generation import MAX_STOP_IDS
     from .sampling import SamplingParams
 
@@ -111,7 +111,7 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     if getattr(method, "partition", None) == "per_shard" and method.shards is None:
         method = dataclasses.replace(method, shards=mesh.shape["model"])  # as POP.prepare does for a loaded model
     plan = method.bind(cfg)
-    graphdef, _ = nnx.split(_abstract_model(cfg, jnp.dtype(dtype)))
+    graphdef, _ = nnx.split(abstract_model_of(cfg, jnp.dtype(dtype)))
     params = sharding.abstract_params(cfg, mesh, dtype)
     rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
     replicated = sharding.NamedSharding(mesh, sharding.PartitionSpec())
@@ -202,6 +202,7 @@ def register_cli(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     add_method_args(p)
     p.add_argument("--partition", default=None, help="POP: global (default) or per_shard (compact blocks stay on their shard)")
+    p.add_argument("--weights", default=None, help="POP: compact (default: a copy of the partition's rows in the state) or gather (ids only; per-step gathers)")
     p.add_argument("--json", default=None, help="write the plan here")
     p.set_defaults(run=_cmd_plan)
 
@@ -216,13 +217,15 @@ def _cmd_plan(args) -> None:
     data, model_axis = parse_mesh(args.mesh)
     cfg = resolve_config(args.model)  # validate before any device work
     method = method_from_args(args)
-    if args.partition is not None:
+    for option in ("partition", "weights"):
+        if getattr(args, option) is None:
+            continue
         from .methods import MethodError
 
-        if "partition" not in {f.name for f in dataclasses.fields(method)}:
-            raise MethodError(f"--partition applies to POP only, not to {args.method!r}")
-        method = dataclasses.replace(method, partition=args.partition)
-        method.__post_init__()  # validates the partition name
+        if option not in {f.name for f in dataclasses.fields(method)}:
+            raise MethodError(f"--{option} applies to POP only, not to {args.method!r}")
+        method = dataclasses.replace(method, **{option: getattr(args, option)})
+        method.__post_init__()  # validates the value
     if jax.device_count() < data * model_axis:
         if os.environ.get("POPJAX_PLAN_CHILD") or jax.default_backend() != "cpu":
             raise ValueError(f"mesh {args.mesh} needs {data * model_axis} devices; {jax.device_count()} are available")

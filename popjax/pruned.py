@@ -14,6 +14,11 @@ exactly n_keep) and ``down_proj_bias`` (FLAP's bias compensation, one [d] vector
 by the dense plan); only dense inference runs on it (other methods' plans assume one f and raise
 a MethodError).
 
+**Mixture-of-experts models** are refused (a MethodError): HF MoE configs have one expert width
+(``moe_intermediate_size``) for every expert, which FLAP's per-expert widths break, and the
+checkpoint layout would have to undo popjax's block splitting of shared experts and dense layers
+(docs/moe.md). On MoE models both methods run in their method form (per expert, static shapes).
+
 **Scanned layers.** The decoder runs its layers as a Python loop, so layers of different widths
 cost nothing extra. A scanned-layer mode (one ``lax.scan`` over stacked layer weights) needs one
 shape: it would pad every layer to the widest with zero gate/up rows and zero down columns, which
@@ -90,6 +95,12 @@ def prune_model(model: LoadedModel, method: CalibratedPruning, corpus: Corpus | 
     if not isinstance(method, CalibratedPruning):
         raise MethodError(f"prune_model needs an offline method (WandaSP, FLAP); got {method!r}")
     cfg = model.config
+    if cfg.moe is not None:
+        raise MethodError(
+            f"prune_model: {method.name} cannot write a pruned checkpoint of a mixture-of-experts model "
+            f"({cfg.model_type}); use {type(method).__name__}(...).calibrate(model) as the method of generate instead "
+            "(it prunes every expert, docs/moe.md)"
+        )
     n_keep = method.n_keep(cfg)
     if n_keep == cfg.intermediate_size:
         log.warning("%s at ratio=%s prunes no channel; the model is returned unchanged", method.name, method.ratio)

@@ -56,6 +56,7 @@ RULES: dict[str, str | None] = {
     "mlp_shard": "model",  # the [n_shards] axis of POP's per-shard partition state
     "norm": None,  # RMSNorm scales
     "experts": None,  # a MoE layer's expert blocks: replicated; each expert's channels split over "model"
+    "layers": None,  # the stacked layer axis of a scanned model (models/scan.py): every device holds every layer
 }
 
 # Parameter path (dots, layer index as \d+) -> logical axes of its dimensions.
@@ -80,6 +81,13 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"layers\.\d+\.mlp\.(experts|shared)\.gate_up", ("experts", "mlp_fused", "embed")),
     (r"layers\.\d+\.mlp\.(experts|shared)\.down", ("experts", "embed", "mlp")),
     (r"layers\.\d+\.mlp\.(experts|shared)\.(down_norm|channel_order)", ("experts", "mlp")),
+)
+# A scanned model (models/scan.py) stacks every layer's parameter on a leading [L] axis under
+# ``layer_stack.``: the same logical axes behind a "layers" axis.
+PARAM_AXES += tuple(
+    (pattern.replace(r"layers\.\d+\.", r"layer_stack\.", 1), ("layers", *axes))
+    for pattern, axes in PARAM_AXES
+    if pattern.startswith(r"layers\.\d+\.")
 )
 CACHE_AXES = ("batch", "cache_len", "kv_heads", "head_dim")  # k, v [B, S, n_kv, h]
 
@@ -198,10 +206,10 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32") -> Any
     an ahead-of-time ``jit(...).lower`` needs to plan per-device memory without any weights."""
     from flax import nnx
 
-    from .loading import _abstract_model
+    from .loading import abstract_model_of
 
     check_mesh(cfg, mesh)
-    _, state = nnx.split(_abstract_model(cfg, jnp.dtype(dtype)))
+    _, state = nnx.split(abstract_model_of(cfg, jnp.dtype(dtype)))
     pure = nnx.to_pure_dict(state)
     shaped = _map_paths(
         lambda path, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_sharding(path, tuple(leaf.shape), mesh)),

@@ -135,6 +135,19 @@ def test_pruning_changes_scores_and_per_sequence_scores_ignore_the_batch(dense_l
     assert mates[0][0] == pytest.approx(pruned[0], abs=1e-5)
 
 
+def test_uniform_shapes_pad_requests_to_one_compile_with_the_same_scores(model):
+    """uniform_shapes pads every request to the call's largest buckets (one compile per method):
+    per-sequence POP's scores do not move, and a long context no longer splits the batch."""
+    requests = REQUESTS + [("A much longer context, " * 6, " and more")]
+    instances = _instances("loglikelihood", requests)
+    plain = PopjaxLM(source=model, method="pop", ratio=0.4, batch_size=8)
+    uniform = PopjaxLM(source=model, method="pop", ratio=0.4, batch_size=8, uniform_shapes="True")
+    assert uniform.uniform_shapes and not plain.uniform_shapes
+    expected = [s for s, _ in plain.loglikelihood(instances, disable_tqdm=True)]
+    got = [s for s, _ in uniform.loglikelihood(instances, disable_tqdm=True)]
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
 def test_shared_aggregate_batches_only_equal_length_continuations(model):
     """In the paper's batch-shared mode a 7-token and a 5-token continuation are never batched
     together, so the shorter one's padding cannot enter the longer one's decode statistics."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import popjax
 from popjax import engine
@@ -138,3 +139,33 @@ def test_bad_method_arguments(build, message):
 def test_ffn_ratio_reaching_one_is_an_error(tiny_model):
     with pytest.raises(MethodError, match=r"ratio=0.7 needs an FFN ratio of 1.167 ≥ 1.*below 0.600"):
         popjax.generate_ids(tiny_model, [[5, 6]], method=popjax.POP(ratio=0.7))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(aggregate="shared"), dict(aggregate="per_sequence"), dict(partition="per_shard", shards=4)],
+    ids=["shared", "per_sequence", "per_shard"],
+)
+def test_gather_weights_equal_compact_copies(tiny_model, options):
+    """weights="gather" reads the same rows from the model's weights every step instead of from
+    the prefill's copy: same log-probabilities, and a state that holds channel ids only."""
+    prompts, continuations = _data(tiny_model, seed=4)
+    compact = popjax.POP(ratio=0.3, gamma=0.3, **options)
+    gather = popjax.POP(ratio=0.3, gamma=0.3, weights="gather", **options)
+    np.testing.assert_allclose(
+        _teacher_forced_logits(tiny_model, gather, prompts, continuations),
+        _teacher_forced_logits(tiny_model, compact, prompts, continuations), atol=1e-6,
+    )
+    plan = gather.bind(tiny_model.config)
+    assert plan.compact_weights is False and compact.bind(tiny_model.config).compact_weights is True
+    x = np.zeros((2, 3, tiny_model.config.hidden_size), np.float32)
+    w = nnx.merge(tiny_model.graphdef, tiny_model.params).layers[0].mlp.as_dict()
+    _, state, _ = plan.prefill(w, x, np.ones((2, 3), bool))
+    assert sorted(state) == ["candidate_idx", "down_norm_candidates", "retained_idx"]
+
+
+def test_gather_weights_errors():
+    with pytest.raises(MethodError, match=r"weights='copy' is not one of \('compact', 'gather'\)"):
+        popjax.POP(ratio=0.2, weights="copy")
+    with pytest.raises(MethodError, match=r"pop-gate: weights='gather' is implemented for 'pop' only"):
+        make_method("pop-gate", ratio=0.2, weights="gather")

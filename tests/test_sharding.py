@@ -290,12 +290,11 @@ def other_methods(model):
     the layer-band allocation are left to the slow run: their calibration passes cost more than
     this whole worker)."""
     import popjax
-    from popjax.methods import METHODS, make_method
+    from popjax.methods import make_method
 
     out = {"dynamic": popjax.Dynamic(0.3), "griffin": popjax.GRIFFIN(0.3), "probe": popjax.ProbePruning(0.3),
            "bwap": popjax.BWAP(), "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3)}
-    if "pop-gate" in METHODS:
-        out["pop-gate"] = make_method("pop-gate", ratio=0.3)
+    out["pop-shortlist"] = make_method("pop-shortlist", ratio=0.3, gamma=0.4)  # runs pop-gate's scoring too
     return out
 
 
@@ -392,19 +391,24 @@ def check_methods(results: dict) -> None:
             assert got["max_abs_logprob_diff"] <= ATOL, (name, shape, got)
 
 
-@pytest.mark.slow
-def test_eight_devices_other_methods(tmp_path):
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory) -> dict:
+    """The one subprocess with 8 fake devices (the rest of the suite keeps one), run once for
+    both tests below: every method, the generate loop and the collective counts."""
+    return run_worker(tmp_path_factory.mktemp("eight_devices"), "--all")
+
+
+def test_eight_devices_other_methods(eight_devices):
     """The other registered methods that need no calibration, on the (2, 4) mesh."""
-    results = run_worker(tmp_path, "--all")
-    assert set(other_methods(None)) <= set(results["methods"])
-    check_methods(results)
+    assert set(other_methods(None)) <= set(eight_devices["methods"])
+    check_methods(eight_devices)
 
 
-def test_eight_devices_match_one_device(tmp_path):
-    """The one subprocess with 8 fake devices (the rest of the suite keeps one): dense, static
-    and POP (shared, per sequence, per shard) give the log-probabilities and greedy choices of one
-    device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step moves no weights."""
-    results = run_worker(tmp_path)
+def test_eight_devices_match_one_device(eight_devices):
+    """Dense, static and POP (shared, per sequence, per shard) give the log-probabilities and
+    greedy choices of one device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step
+    moves no weights."""
+    results = eight_devices
     print(json.dumps(results, indent=1))  # the collective counts, for docs/sharding.md (pytest -s)
     assert results["devices"] == 8
     assert set(core_methods()) <= set(results["methods"])

@@ -12,6 +12,8 @@ METHODS = {
     "static 0.2": popjax.Static(0.2),
     "POP 0.2 shared, per_shard": popjax.POP(0.2, partition="per_shard"),
     "POP 0.2 per_sequence, per_shard": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard"),
+    "POP 0.2 per_sequence, per_shard, gather": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard", weights="gather"),
+    "POP 0.2 shared, global, gather": popjax.POP(0.2, weights="gather"),
 }
 out, models = sys.argv[1], sys.argv[2:] or ["llama-3.1-8b"]
 try:  # plans already in OUT are kept and not recomputed

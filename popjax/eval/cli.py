@@ -21,6 +21,7 @@ def register_cli(sub) -> None:
     p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
     p.add_argument("--methods", type=_csv(str), default=["dense", "static", "pop", "dynamic"])
     p.add_argument("--ratios", type=_csv(float), default=[0.2, 0.4])
     p.add_argument("--gamma", type=float, default=0.1, help="POP's candidate band (default 0.1)")
@@ -63,7 +64,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         next_line_play=args.play,
         next_line_documents=args.next_line_documents,
     )
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
     records = evaluate(model, methods, args.tasks, text, settings)
     source = args.text_file or f"Shakespeare, {args.play}"
     write_outputs(args, records, markdown_table(records), plot_records, "popjax evaluation", f"Model `{args.model}`, NLL text: {source}.")
@@ -76,14 +77,15 @@ def write_outputs(args: argparse.Namespace, records: list, table: str, plot, tit
 
     print(table)
     if args.json:
-        write_json_atomic(Path(args.json), {"command": _command_line(), "records": records})
+        write_json_atomic(Path(args.json), {"command": command_line(), "records": records})
     if args.out:
         out = Path(args.out)
         plots = plot(records, out)
-        lines = [f"# {title}", "", f"{intro} Generated {datetime.date.today()} by", "", f"```bash\n{_command_line()}\n```", "", table, ""]
+        lines = [f"# {title}", "", f"{intro} Generated {datetime.date.today()} by", "", f"```bash\n{command_line()}\n```", "", table, ""]
         lines += [f"![{p.stem}]({p.name})" for p in plots]
         (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _command_line() -> str:
+def command_line() -> str:
+    """The popjax command that is running, shell-quoted (recorded in result JSON)."""
     return "popjax " + " ".join(shlex.quote(a) for a in sys.argv[1:])

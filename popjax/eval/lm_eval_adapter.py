@@ -49,7 +49,7 @@ LOGPROB_BUDGET_BYTES = 1 << 30  # [B, N, V] fp32 log-probabilities fetched per c
 # lm-eval hands these to every model it builds; JAX picks the device, batches are fixed-size.
 IGNORED_ARGS = ("device", "max_batch_size")
 # PopjaxLM's own model_args (docs/lm_eval.md describes them); every other key is a method's
-ADAPTER_ARGS = ("source", "method", "dtype", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token")
+ADAPTER_ARGS = ("source", "method", "dtype", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token", "uniform_shapes")
 
 
 def require_lm_eval() -> None:
@@ -130,6 +130,7 @@ class PopjaxLM(TemplateLM):
         max_gen_toks: int = 256,
         seed: int = 0,
         add_bos_token: bool | None = None,
+        uniform_shapes: bool = False,
         **method_args: Any,
     ) -> None:
         require_lm_eval()
@@ -152,6 +153,9 @@ class PopjaxLM(TemplateLM):
             raise ValueError(f"max_length={max_length} is outside [2, {context}] (the model's context)")
         self.max_gen_toks, self.seed, self.add_bos_token = int(max_gen_toks), int(seed), add_bos_token
         self.independent = batch_independent(self.method)
+        # pad every log-likelihood request to the largest context and continuation buckets of the
+        # call: one compile per method (for short tasks with many methods, compiles dominate)
+        self.uniform_shapes = str(uniform_shapes).lower() in ("true", "1")  # model_args give strings
         log.info("popjax lm-eval model: %s, method %r", self.model.source, self.method)
 
     @classmethod
@@ -242,6 +246,8 @@ class PopjaxLM(TemplateLM):
             )
             for c, t in zip(contexts, targets)
         ]
+        if self.uniform_shapes and self.independent and keys:
+            keys = [max(keys)] * len(keys)
         # longest first (as HFLM): a batch too large for memory fails at once, not at the end
         order = sorted((i for i in range(len(requests)) if targets[i]), key=lambda i: keys[i], reverse=True)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)  # empty continuation: log 1
@@ -257,8 +263,10 @@ class PopjaxLM(TemplateLM):
                 padded = np.zeros((len(chunk), n), np.int32)
                 for r, i in enumerate(chunk):
                     padded[r, : len(targets[i])] = targets[i]
+                # the last, smaller batch of a bucket is padded with dead rows: no extra compile
                 nll, logp = teacher_forced(
-                    self.model, self.method, [contexts[i] for i in chunk], padded, with_logprobs=with_greedy
+                    self.model, self.method, [contexts[i] for i in chunk], padded, with_logprobs=with_greedy,
+                    min_rows=min(step, self.batch_size), prompt_length=keys[batch[0]][1],
                 )
                 for r, i in enumerate(chunk):
                     k = len(targets[i])

@@ -89,7 +89,7 @@ def _cmd_lm_eval(args: argparse.Namespace) -> None:
     from lm_eval.utils import handle_non_serializable, make_table
 
     from ..bench import write_json_atomic
-    from .cli import _command_line
+    from .cli import command_line
 
     model_args = model_args_from_cli(args)
     hyper = {k: v for k, v in model_args.items() if k not in ADAPTER_ARGS + IGNORED_ARGS}
@@ -102,5 +102,5 @@ def _cmd_lm_eval(args: argparse.Namespace) -> None:
     )
     print(make_table(results))
     if args.json:
-        payload = {"command": _command_line(), "model_args": model_args, "method": repr(method), **results}
+        payload = {"command": command_line(), "model_args": model_args, "method": repr(method), **results}
         write_json_atomic(Path(args.json), json.loads(json.dumps(payload, default=handle_non_serializable)))

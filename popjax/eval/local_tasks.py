@@ -117,7 +117,8 @@ def next_line_accuracy(model, method, directory: str | Path, batch_size: int = 8
     from .lm_eval_adapter import PopjaxLM
     from .lm_eval_cli import task_manager_for
 
-    lm = PopjaxLM.from_loaded(model, method, batch_size=batch_size)
+    # one compile per method: the cloze's contexts and lines are short, so padding costs little
+    lm = PopjaxLM.from_loaded(model, method, batch_size=batch_size, uniform_shapes=True)
     manager = task_manager_for([TASK], str(directory), builtin=False)
     results = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, bootstrap_iters=0,
                                       log_samples=False, random_seed=0)

@@ -23,16 +23,20 @@ def teacher_forced(
     targets: np.ndarray,
     with_logprobs: bool = False,
     record: tuple[str, ...] = (),
+    min_rows: int = 1,
+    prompt_length: int | None = None,
 ):
     """NLL (nats) [B, N] of ``targets`` [B, N] fed through ``method``'s decode path after each
     prompt's prefill, and the log-probabilities [B, N, V] (or None unless ``with_logprobs``).
     With ``record`` (names of the method's decode aux, e.g. ``("density",)``) a third value
     holds them per step: name -> [N, L, ...] (per-sequence methods keep the batch bucket's
-    rows)."""
+    rows). ``min_rows`` pads the batch to at least that many rows (dead rows), so a caller
+    feeding batches of varying size keeps one batch bucket, hence one compile; ``prompt_length``
+    (a prompt bucket ≥ the longest prompt) fixes the prompt bucket likewise."""
     targets = np.asarray(targets, np.int32)
     if targets.ndim != 2 or targets.shape[0] != len(prompts):
         raise ValueError(f"targets must be [B={len(prompts)}, N]; got {targets.shape}")
-    tokens, mask = pad_batch(prompts, pad_token_id(model))
+    tokens, mask = pad_batch(prompts, pad_token_id(model), length=prompt_length, min_rows=min_rows)
     padded_targets = np.zeros((tokens.shape[0], targets.shape[1]), np.int32)
     padded_targets[: len(prompts)] = targets
     plan = prepared(method, model).bind(model.config)

@@ -19,13 +19,14 @@ from .low_rank import LowRankFactors, LowRankPlan, LowRankPOP
 from .pop import POP, POPPlan, POPShardedPlan
 from .prefill_only import PrefillOnly, PrefillOnlyPlan
 from .probe import ProbePruning, ProbePruningPlan
+from .shortlist import ShortlistPlan, ShortlistPOP
 from .static import Static, StaticPlan
 from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly,
-                GateScoredPOP, LowRankPOP, LayerBandsPOP)
+                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP)
 }
 
 
@@ -125,6 +126,8 @@ __all__ = [
     "LayerBandsPlan",
     "LowRankFactors",
     "LowRankPOP",
+    "ShortlistPlan",
+    "ShortlistPOP",
     "LowRankPlan",
     "ChannelSelection",
     "CATS",

@@ -17,7 +17,8 @@ expected weights read of a structured method keeping n_keep channels,
 That is possible only while s < 1 (n_keep > f/3); a larger ratio is an error, not a clamp.
 ``ffn_sparsity=s`` gives the paper's channel sparsity directly (and then reads more weights).
 
-**Batches**, **prefill** and **calibration**: as TEAL (`popjax.methods.teal`): ``aggregate``
+**Batches**, **prefill**, **calibration** and **MoE models** (one threshold per expert): as
+TEAL (`popjax.methods.teal`): ``aggregate``
 "max"/"mean" aggregate |g| over the batch's valid rows and threshold once per batch
 (per-token at batch 1), "per_token" masks every row alone; the prompt runs dense.
 """
@@ -50,7 +51,7 @@ class CATSPlan(Plan):
         gu = jnp.einsum("btd,nd->btn", x, w["gate_up"])
         f = w["gate_up"].shape[0] // 2  # this layer's width
         gate, up = jax.nn.silu(gu[..., :f]), gu[..., f:]
-        keep, density = threshold_keep(gate, valid, layer_threshold(self.thresholds, w["layer"]), self.aggregate)
+        keep, density = threshold_keep(gate, valid, layer_threshold(self.thresholds, w["layer"], w.get("block")), self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))
         return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}
 

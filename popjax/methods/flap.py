@@ -24,6 +24,15 @@ Decisions where the paper is silent (documented in docs too):
 * Statistics come from the dense model in one pass (FLAP computes all layers' metrics before
   pruning any), accumulated as Σa, Σa² over batches in float64 on the host.
 
+**Mixture-of-experts models** (docs/moe.md): every FFN block is one unit of FLAP — a routed
+expert with the moments of the calibration tokens the router sent to it, a shared-expert or
+dense-layer block with those of all tokens: its own z-scores, floor and bias (added to the
+block's output, so the router weight scales it with the expert), and one global threshold over
+the blocks keeps ``n_keep`` channels per block on average. Blocks keep different widths; the
+method form pads them to the widest (static shapes). A block no calibration token reached keeps
+its first n_keep channels in stored order (the weight-only ranking, docs/moe.md) with no bias.
+Only the method form runs on MoE models; ``prune_model`` refuses them (popjax.pruned).
+
 **Two forms.** ``popjax.pruned.prune_model(model, FLAP(ratio))`` gives the deployable checkpoint
 (per-layer FFN widths plus a down bias); ``FLAP(ratio).calibrate(model)`` used as a method in
 ``generate`` applies the same kept channels and bias on the unpruned weights (SelectionPlan).
@@ -138,15 +147,44 @@ class FLAP(CalibratedPruning):
         cfg = model.config
         n_keep = self.n_keep(cfg)
         stats = calibrate(model, ActivationMoments(), corpus, **calibrate_kwargs)
-        downs = [np.asarray(layer["mlp"]["down"], np.float32) for _, layer in sorted(_layers(model).items())]
-        kept, bias, _ = flap_selection(stats, downs, n_keep, layer_floor(cfg.intermediate_size, self.min_keep))
+        floor = layer_floor(cfg.intermediate_size, self.min_keep)
+        blocks = 0
+        if cfg.moe is None:
+            downs = [np.asarray(layer["mlp"]["down"], np.float32) for _, layer in sorted(_layers(model).items())]
+            kept, bias, _ = flap_selection(stats, downs, n_keep, floor)
+        else:
+            blocks = cfg.moe.slots(cfg.num_hidden_layers)
+            kept, bias = _block_selection(model, stats, n_keep, floor)
         return ChannelSelection(
             self.name,
             self.ratio,
             tuple(tuple(int(j) for j in k) for k in kept),
             tuple(tuple(float(v) for v in row) for row in bias.astype(np.float32)),
             f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)",
+            blocks,
         )
+
+
+def _block_selection(model, stats: dict[str, np.ndarray], n_keep: int, floor: int):
+    """FLAP over the FFN blocks of a MoE model (stats [L, slots, ...]): the blocks with
+    calibration tokens take part as FLAP's units; the others keep their first n_keep channels
+    (the weight-only ranking) with no bias -> (kept ids per (layer, slot) row-major, bias [L·slots, d])."""
+    from ..models.moe import slot_array
+
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    layers = _layers(model)
+    downs = np.concatenate([slot_array(cfg, l, layers[l]["mlp"], "down") for l in range(L)]).astype(np.float32)
+    flat = {k: np.asarray(v).reshape(downs.shape[0], *np.shape(v)[2:]) for k, v in stats.items()}
+    scored = np.flatnonzero(cfg.moe.slot_mask(L).reshape(-1) & (flat["tokens"] > 0))
+    if not scored.size:
+        raise CalibrationError("the calibration corpus gave no tokens; FLAP needs activations to score channels")
+    kept_scored, bias_scored, _ = flap_selection({k: v[scored] for k, v in flat.items()}, list(downs[scored]), n_keep, floor)
+    kept = [np.arange(n_keep)] * downs.shape[0]
+    bias = np.zeros(downs.shape[:2], np.float64)
+    for i, k, b in zip(scored, kept_scored, bias_scored):
+        kept[i], bias[i] = k, b
+    return kept, bias
 
 
 def _layers(model) -> dict[int, Any]:

@@ -27,6 +27,12 @@ their gate/up rows ``[n, 2, d]`` and down rows ``[n, d]``, ordered by prefill ra
 ``lax.switch`` over one branch per distinct width; branch m_l reads the static prefix of
 ``n_keep + m_l`` rows (R = first n_keep − m_l, C = next 2m_l) and top-k's inside its band. The
 switch index is a per-layer constant (from ``w["layer"]``), so each layer executes one branch.
+
+**Mixture-of-experts models** (docs/moe.md): every FFN block is a unit of the allocation — its
+drift measured on the calibration tokens routed to it (all tokens for a shared-expert or
+dense-layer block), its own band ``m_b``, with ``Σ_b m_b ≤ (number of blocks)·m`` — and the
+branch index is a per-block constant (``w["block"]``). A block no calibration window reached
+has drift 0.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import numpy as np
 
 from ..calibration import Statistic, calibrate
 from ..models.config import ModelConfig
+from ..models.moe import table_row
 from .base import AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_gamma, down_proj
 from .base import kept_channels, prefill_importance, round_half_up, score_prompt, take_channels, take_gate_up
 
@@ -53,7 +60,8 @@ def prompt_drift(h: jax.Array, valid: jax.Array, down_norm: jax.Array, n_keep: i
     first = valid & (2 * pos < jnp.sum(valid, axis=1, keepdims=True))
     halves = [prefill_importance(h, v, down_norm) for v in (first, valid & ~first)]
     kept = [jnp.zeros(h.shape[-1], jnp.int32).at[jax.lax.top_k(i, n_keep)[1]].set(1) for i in halves]
-    return 1.0 - jnp.sum(kept[0] * kept[1]).astype(jnp.float32) / n_keep
+    changed = n_keep - jnp.sum(kept[0] * kept[1])  # an integer: the drift can never round below 0
+    return changed.astype(jnp.float32) / n_keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +69,7 @@ class BandDrift(Statistic):
     """Σ over calibration windows of each window's `prompt_drift`, and the window count."""
 
     name: ClassVar[str] = "band_drift"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2  # 2: drift as (n_keep − overlap)/n_keep, never −ε
     n_keep: int = 1
 
     def collect(self, w, x, valid, h):
@@ -111,7 +119,9 @@ class BandAllocation:
 class LayerBandsPlan(AggregatedPlan):
     name: ClassVar[str] = "pop-bands"
     m: int = 0  # POP's per-layer m at this γ: the budget is L·m
-    bands: tuple[int, ...] = ()  # m_l per layer
+    bands: tuple[int, ...] = ()  # m_l per layer (a MoE model: per (layer, block slot), row-major)
+    blocks: int = 0  # block slots per layer of a MoE model, 0: dense
+    used: tuple[bool, ...] = ()  # MoE: which rows of ``bands`` hold a block (cost accounting)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -158,19 +168,24 @@ class LayerBandsPlan(AggregatedPlan):
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"band": [], "selected": [m_max] (−1 pads)})."""
         widths = self.widths
-        level = jnp.asarray([widths.index(b) for b in self.bands], jnp.int32)[w["layer"]]
+        level = jnp.asarray([widths.index(b) for b in self.bands], jnp.int32)[table_row(w, self.blocks)]
         y, aux = jax.lax.switch(level, [self._branch(m_l) for m_l in widths], state, x, valid)
         return y, state, aux
 
+    def _counted(self) -> tuple[int, ...]:
+        """The bands of the rows that hold an FFN (all of them in a dense model)."""
+        return tuple(b for b, u in zip(self.bands, self.used or (True,) * len(self.bands)) if u)
+
     def ffn_weights_read_per_layer(self, d: int) -> tuple[int, ...]:
-        return tuple(3 * d * self.n_keep + 2 * d * m_l for m_l in self.bands)
+        """Per layer (a MoE model: per block that exists)."""
+        return tuple(3 * d * self.n_keep + 2 * d * m_l for m_l in self._counted())
 
     def ffn_weights_read(self, d: int) -> int:
         """The mean over layers (the total is at most POP's at the same γ)."""
         return round_half_up(float(np.mean(self.ffn_weights_read_per_layer(d))))
 
     def ffn_flops_per_token(self, d: int) -> int:
-        return round_half_up(float(np.mean([6 * d * self.n_keep + 4 * d * m_l for m_l in self.bands])))
+        return round_half_up(float(np.mean([6 * d * self.n_keep + 4 * d * m_l for m_l in self._counted()])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +239,7 @@ class LayerBandsPOP(RatioMethod):
             return self  # binds to the dense plan
         sums = calibrate(model, BandDrift(n_keep=n_keep), **calibrate_kwargs)
         drift = np.asarray(sums["drift"], np.float64) / np.maximum(np.asarray(sums["prompts"]), 1)
-        return self.with_drift(drift, f"{model.source} / calibration corpus")
+        return self.with_drift(drift.reshape(-1), f"{model.source} / calibration corpus")  # MoE: [L, slots] row-major
 
     def bind(self, cfg: ModelConfig) -> Plan:
         f = cfg.intermediate_size
@@ -233,16 +248,25 @@ class LayerBandsPOP(RatioMethod):
             return DensePlan(f=f, n_keep=f)
         if self.allocation is None:
             raise MethodError("LayerBandsPOP has no band allocation: use LayerBandsPOP(...).prepare(model) first")
+        L = cfg.num_hidden_layers
+        blocks = 0 if cfg.moe is None else cfg.moe.slots(L)
+        used = np.ones(L, bool) if not blocks else cfg.moe.slot_mask(L).reshape(-1)  # rows of the band table
+        units = f"{L} layers" + (f" × {blocks} FFN block slots" if blocks else "")
         bands = self.allocation.bands
         if not bands:  # drift given, bands not yet allocated for this model's sizes
-            if len(self.allocation.drift) != cfg.num_hidden_layers:
-                raise MethodError(
-                    f"drift has {len(self.allocation.drift)} layers, the model has {cfg.num_hidden_layers}"
-                )
-            bands = allocate_bands(self.allocation.drift, m, cap, self.levels)
-        if len(bands) != cfg.num_hidden_layers or sum(bands) > cfg.num_hidden_layers * m or max(bands) > cap:
+            drift = np.asarray(self.allocation.drift, np.float64)
+            if len(drift) != len(used):
+                raise MethodError(f"drift has {len(drift)} {'layers' if not blocks else 'entries'}, the model has {units}")
+            bands = np.full(len(used), band_widths(m, cap, self.levels)[0])  # rows without a block: the narrowest
+            bands[used] = allocate_bands(drift[used], m, cap, self.levels)
+            bands = tuple(int(b) for b in bands)
+        n_units = int(used.sum())
+        if len(bands) != len(used) or sum(np.asarray(bands)[used]) > n_units * m or max(bands) > cap:
             raise MethodError(
-                f"bands {list(bands)} do not fit this model: need {cfg.num_hidden_layers} layers, "
-                f"Σ m_l ≤ L·m = {cfg.num_hidden_layers * m} (POP's budget at gamma={self.gamma}), each ≤ {cap}"
+                f"bands {list(bands)} do not fit this model: need {units}, "
+                f"Σ m_l ≤ {'L' if not blocks else 'blocks'}·m = {n_units * m} (POP's budget at gamma={self.gamma}), each ≤ {cap}"
             )
-        return LayerBandsPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, m=m, bands=tuple(bands))
+        return LayerBandsPlan(
+            f=f, n_keep=n_keep, aggregate=self.aggregate, m=m, bands=tuple(bands), blocks=blocks,
+            used=tuple(bool(u) for u in used) if blocks else (),
+        )

@@ -20,6 +20,10 @@ Weights read per token per layer: ``3d·n_R + k·r·(d + n_C) + 3d·m`` (k = 2 f
 fixed cost, so low-rank scoring pays off for wide bands (at d = 576, r = 64, "gate": γ ≈ 0.53
 for POP's bytes at γ = 0.1). At rank = min(d, f) the scores are exact (POP's selection).
 
+**Mixture-of-experts models** (docs/moe.md): one pair of factors per FFN block (every routed
+expert, every shared-expert or dense-layer block), rows ``[L · slots]`` by (layer, block slot),
+and each block's prefill takes its own (``w["block"]``).
+
 The factors reach the jitted code as constants of the plan (`LowRankFactors`, hashed by the
 model key and rank); prefill copies the layer's ``in`` [d, k·r] and the band's columns of
 ``out`` [k, r, n_C] into the partition state, so a decode step reads only compact blocks.
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.moe import table_row
 from .base import MethodError, Plan, activations, down_proj, prefill_importance, score_prompt, take_channels, take_gate_up
 from .gate_scored import check_global_partition
 from .pop import POP, POPPlan
@@ -51,14 +56,15 @@ SVD_VERSION = 1
 class LowRankFactors:
     """Truncated SVD factors of every layer's gate (index 0) and up (index 1) projection.
 
-    ``inputs`` [L, 2, d, r] = V_r; ``outputs`` [L, 2, r, f] = S_r U_rᵀ (fp32, read-only). Equal and
-    hashed by ``key`` (the model fingerprint) and ``rank``: a plan holding them stays a cheap jit
-    static argument."""
+    ``inputs`` [L, 2, d, r] = V_r; ``outputs`` [L, 2, r, f] = S_r U_rᵀ (fp32, read-only); a MoE
+    model's have ``L · blocks`` rows, one per (layer, block slot). Equal and hashed by ``key``
+    (the model fingerprint) and ``rank``: a plan holding them stays a cheap jit static argument."""
 
     key: str
     rank: int
     inputs: np.ndarray
     outputs: np.ndarray
+    blocks: int = 0  # block slots per layer of a MoE model (models.moe.MoEConfig.slots), 0: dense
 
     def __hash__(self) -> int:
         return hash((self.key, self.rank))
@@ -109,19 +115,26 @@ def lowrank_factors(model, rank: int, cache: bool = True, cache_dir: str | Path 
         raise MethodError(f"low-rank scoring needs one FFN width for all layers, got {list(cfg.intermediate_sizes)}")
     check_rank(rank, cfg.hidden_size, cfg.intermediate_size)
     model_key = calibration.model_fingerprint(model)
+    blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
     path = (Path(cache_dir) if cache_dir else cache_root() / "calibration") / model_key[:24] / f"lowrank-svd-v{SVD_VERSION}-r{rank}.npz"
     key = {"format": calibration.CACHE_FORMAT, "model": model_key, "statistic": {"name": "lowrank_svd", "version": SVD_VERSION, "rank": rank}}
     # the calibration cache's own reader/writer: same atomic write, key and checksum checks
     arrays = calibration._read(path, key) if cache and path.is_file() else None
     if arrays is None:
-        layers = nnx.merge(model.graphdef, model.params).layers
-        factors = factors_from_weights([np.asarray(layer.mlp.gate_up[...]) for layer in layers], rank, model_key)
+        if blocks:  # one weight block per (layer, slot); slots without a block are zeros
+            from ..models.moe import slot_array
+
+            pure = {int(i): layer for i, layer in nnx.to_pure_dict(model.params)["layers"].items()}
+            gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, pure[l]["mlp"], "gate_up")]
+        else:
+            gate_ups = [np.asarray(layer.mlp.gate_up[...]) for layer in nnx.merge(model.graphdef, model.params).layers]
+        factors = dataclasses.replace(factors_from_weights(gate_ups, rank, model_key), blocks=blocks)
         if cache:
             calibration._write(path, key, {"inputs": factors.inputs, "outputs": factors.outputs})
             log.info("rank-%d SVD factors written to %s", rank, path)
         return factors
     arrays["inputs"].flags.writeable = arrays["outputs"].flags.writeable = False
-    return LowRankFactors(model_key, rank, arrays["inputs"], arrays["outputs"])
+    return LowRankFactors(model_key, rank, arrays["inputs"], arrays["outputs"], blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +153,9 @@ class LowRankPlan(POPPlan):
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
         n_r, n_c, k = self.n_retained, self.n_candidates, self.n_factors
         retained, candidates = order[:n_r], order[n_r : n_r + n_c]
-        inputs = jnp.asarray(self.factors.inputs)[w["layer"], :k]  # [k, d, r]
-        outputs = jnp.asarray(self.factors.outputs)[w["layer"], :k]  # [k, r, f]
+        row = table_row(w, self.factors.blocks)  # the layer (a MoE model: the layer's block)
+        inputs = jnp.asarray(self.factors.inputs)[row, :k]  # [k, d, r]
+        outputs = jnp.asarray(self.factors.outputs)[row, :k]  # [k, r, f]
         cand_gate_up = take_gate_up(w["gate_up"], candidates)  # [2 n_C, d]
         state = {
             "retained_idx": retained,  # [n_R]
@@ -232,9 +246,10 @@ class LowRankPOP(POP):
         if self.factors is None:
             raise MethodError("LowRankPOP has no SVD factors: use LowRankPOP(...).prepare(model) first")
         L, _, d, r = self.factors.inputs.shape
-        want = (cfg.num_hidden_layers, cfg.hidden_size, self.rank, cfg.intermediate_size)
-        if (L, d, r, self.factors.outputs.shape[-1]) != want:
-            raise MethodError(f"factors {self.factors!r} do not fit this model (layers, d, rank, f) = {want}")
+        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
+        want = (cfg.num_hidden_layers * max(blocks, 1), cfg.hidden_size, self.rank, cfg.intermediate_size)
+        if (L, d, r, self.factors.outputs.shape[-1]) != want or self.factors.blocks != blocks:
+            raise MethodError(f"factors {self.factors!r} do not fit this model (layers{' × block slots' if blocks else ''}, d, rank, f) = {want}")
         return super().bind(cfg)
 
 

@@ -14,7 +14,8 @@ by ``|H_t[c]| · ‖W_d[:, c]‖₂``, takes ``S_t = top_m`` with ``lax.top_k`` 
 
 Speed: the gate/up columns of R ∪ C and the down rows of R and of C are gathered once at
 prefill into the partition state; a decode step runs dense matmuls on those compact blocks and
-gathers only the m selected down rows.
+gathers only the m selected down rows. ``weights="gather"`` skips that copy (the state holds
+channel ids only) and gathers the rows from the model's weights at every step instead.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ from .base import (
 )
 
 PARTITIONS = ("global", "per_shard")
+WEIGHT_MODES = ("compact", "gather")  # where decode reads the partition's weight rows from
 
 
 @dataclasses.dataclass(frozen=True)
 class POPPlan(AggregatedPlan):
     name: ClassVar[str] = "pop"
     m: int = 0  # candidates selected per step
+    gather: bool = False  # weights="gather": no compact copy, per-step gathers (see POP)
 
     @property
     def n_retained(self) -> int:
@@ -61,37 +64,55 @@ class POPPlan(AggregatedPlan):
     def n_candidates(self) -> int:
         return 2 * self.m
 
+    @property
+    def compact_weights(self) -> bool:  # see AggregatedPlan; "gather" keeps indices only
+        return not self.gather
+
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
         n_r, n_c = self.n_retained, self.n_candidates
-        retained, candidates = order[:n_r], order[n_r : n_r + n_c]
-        kept = order[: n_r + n_c]
         state = {
-            "retained_idx": retained,  # [n_R]
-            "candidate_idx": candidates,  # [n_C]
-            "gate_up": take_gate_up(w["gate_up"], kept),  # [2(n_R + n_C), d]
-            "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
-            # rows, so that a step gathers its m selected channels contiguously
-            "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
-            "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
+            "retained_idx": order[:n_r],  # [n_R]
+            "candidate_idx": order[n_r : n_r + n_c],  # [n_C]
+            "down_norm_candidates": take_channels(w["down_norm"], order[n_r : n_r + n_c], axis=0),  # [n_C]
         }
+        if not self.gather:
+            state.update(self._blocks(w, state["retained_idx"], state["candidate_idx"]))
         return y, state, {"importance": importance}
 
+    @staticmethod
+    def _blocks(w, retained, candidates):
+        """The compact weight blocks of a partition: gate/up rows of R ∪ C [2(n_R + n_C), d],
+        down columns of R [d, n_R] and down rows of C [n_C, d] (rows, so that a step gathers
+        its m selected channels contiguously)."""
+        return {
+            "gate_up": take_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
+            "down_retained": take_channels(w["down"], retained, axis=1),
+            "down_candidates": take_channels(w["down"], candidates, axis=1).T,
+        }
+
     def _decode(self, w, state, x, step, valid):
-        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
-        h = activations(state["gate_up"], x)  # [B, 1, n_R + n_C]
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]}).
+        With ``gather`` the R ∪ C gate/up rows and R's down columns are gathered from the
+        model's weights here, every step, instead of read from a copy made at prefill."""
+        kept = jnp.concatenate([state["retained_idx"], state["candidate_idx"]])
+        gate_up = take_gate_up(w["gate_up"], kept) if self.gather else state["gate_up"]
+        h = activations(gate_up, x)  # [B, 1, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
-        y = down_proj(h_retained, state["down_retained"])
+        down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
+        y = down_proj(h_retained, down_retained)
         if self.m == 0:
             return y, state, {}
         scores = step_importance(h_candidates, valid, state["down_norm_candidates"])  # [n_C]
         top_scores, selected = jax.lax.top_k(scores, self.m)  # S_t, positions within C
-        y = y + take_channels(h_candidates, selected, axis=-1) @ take_channels(
-            state["down_candidates"], selected, axis=0
-        )
-        aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
-        return y, state, aux
+        selected_ids = take_channels(state["candidate_idx"], selected, axis=0)
+        if self.gather:  # only the m selected down columns, as rows [m, d]
+            down_selected = take_channels(w["down"], selected_ids, axis=1).T
+        else:
+            down_selected = take_channels(state["down_candidates"], selected, axis=0)
+        y = y + take_channels(h_candidates, selected, axis=-1) @ down_selected
+        return y, state, {"selected": selected_ids, "scores": top_scores}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 4 * d * (self.n_retained + self.n_candidates) + 2 * d * self.n_keep
@@ -118,6 +139,11 @@ class POPShardedPlan(AggregatedPlan):
     name: ClassVar[str] = "pop"
     shards: int = 1
     m: int = 0  # candidates selected per step, per shard
+    gather: bool = False  # weights="gather" (see POP)
+
+    @property
+    def compact_weights(self) -> bool:  # see AggregatedPlan; "gather" keeps indices only
+        return not self.gather
 
     @property
     def block(self) -> int:
@@ -141,43 +167,65 @@ class POPShardedPlan(AggregatedPlan):
         rows = jnp.arange(S)[:, None]
         kept = jnp.zeros((S, block), h.dtype).at[rows, order[:, :keep]].set(1, mode=IN_BOUNDS)
         y = down_proj(h * kept.reshape(-1), w["down"])
-        live = order[:, : n_r + n_c]  # [S, n_R + n_C]
-        gate_up = w["gate_up"].reshape(2, S, block, -1)  # gate/up × block × channel
-        gate_up = jnp.take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
-        down = jnp.take_along_axis(w["down"].reshape(-1, S, block), live[None], axis=2, mode=TAKE_MODE)
-        down = jnp.transpose(down, (1, 2, 0))  # [S, n_R + n_C, d]: rows, so a step gathers contiguously
         offset = rows * block
         state = {
             "retained_idx": order[:, :n_r] + offset,
             "candidate_idx": order[:, n_r : n_r + n_c] + offset,
-            "gate_up": gate_up,
-            "down_retained": down[:, :n_r],
-            "down_candidates": down[:, n_r:],
             "down_norm_candidates": jnp.take_along_axis(
                 w["down_norm"].reshape(S, block), order[:, n_r : n_r + n_c], axis=1, mode=TAKE_MODE
             ),
         }
+        if not self.gather:
+            state.update(self._blocks(w, order[:, : n_r + n_c]))
         # on a mesh, shard s's compact blocks live on the devices of shard s (moved there once, at
         # prefill), so decode reads 1/S of them per device instead of a replicated copy
         state = {k: constrain(v, ("mlp_shard",) + (None,) * (v.ndim - 1) if k != "gate_up" else (None, "mlp_shard", None, None))
                  for k, v in state.items()}
         return y, state, {"importance": importance}
 
+    def _gate_up_rows(self, w, live):
+        """Gate/up rows of channels ``live`` [S, n] (ids within each shard's block) -> [2, S, n, d];
+        each shard gathers from its own block only (take_along_axis on the [S, f/S] view)."""
+        gate_up = w["gate_up"].reshape(2, self.shards, self.block, -1)  # gate/up × block × channel
+        return jnp.take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
+
+    def _down_rows(self, w, live):
+        """Down columns of channels ``live`` [S, n], as rows [S, n, d] (a step gathers contiguously)."""
+        down = jnp.take_along_axis(w["down"].reshape(-1, self.shards, self.block), live[None], axis=2, mode=TAKE_MODE)
+        return jnp.transpose(down, (1, 2, 0))
+
+    def _blocks(self, w, live):
+        """The compact blocks of channels ``live`` [S, n_R + n_C]: gate_up [2, S, n, d],
+        down_retained [S, n_R, d], down_candidates [S, n_C, d]."""
+        down = self._down_rows(w, live)
+        return {"gate_up": self._gate_up_rows(w, live), "down_retained": down[:, : self.n_retained], "down_candidates": down[:, self.n_retained :]}
+
     def _decode(self, w, state, x, step, valid):
-        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [S, m]})."""
-        gu = jnp.einsum("btd,gskd->btgsk", x, state["gate_up"])
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [S, m]}).
+        With ``gather`` the rows are gathered from the model's weights here, every step (only
+        the m selected of C's down rows)."""
+        local = lambda ids: ids % self.block  # global channel ids -> ids within the shard's block
+        if self.gather:
+            live = jnp.concatenate([state["retained_idx"], state["candidate_idx"]], axis=1)
+            gate_up, down_retained = self._gate_up_rows(w, local(live)), self._down_rows(w, local(state["retained_idx"]))
+        else:
+            gate_up, down_retained = state["gate_up"], state["down_retained"]
+        gu = jnp.einsum("btd,gskd->btgsk", x, gate_up)
         h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [B, 1, S, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
-        y = jnp.einsum("btsk,skd->btd", h_retained, state["down_retained"])
+        y = jnp.einsum("btsk,skd->btd", h_retained, down_retained)
         if self.m == 0:
             return y, state, {}
         hf = jnp.where(valid[..., None, None], h_candidates.astype(jnp.float32), 0.0)
         scores = jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * state["down_norm_candidates"]  # [S, n_C]
         top_scores, selected = jax.lax.top_k(scores, self.m)  # S_t per block, positions within its C
         h_selected = jnp.take_along_axis(h_candidates, selected[None, None], axis=-1, mode=TAKE_MODE)
-        down_selected = jnp.take_along_axis(state["down_candidates"], selected[:, :, None], axis=1, mode=TAKE_MODE)
-        y = y + jnp.einsum("btsm,smd->btd", h_selected, down_selected)
         selected_ids = jnp.take_along_axis(state["candidate_idx"], selected, axis=1, mode=TAKE_MODE)
+        if self.gather:
+            down_selected = self._down_rows(w, local(selected_ids))
+        else:
+            down_selected = jnp.take_along_axis(state["down_candidates"], selected[:, :, None], axis=1, mode=TAKE_MODE)
+        y = y + jnp.einsum("btsm,smd->btd", h_selected, down_selected)
         return y, state, {"selected": selected_ids, "scores": top_scores}
 
     def ffn_flops_per_token(self, d: int) -> int:
@@ -202,6 +250,11 @@ class POP(RatioMethod):
         and keeping n_keep/shards of them; see POPShardedPlan and docs/sharding.md).
       shards: blocks of "per_shard" (must divide f); default: the size of the model's mesh
         "model" axis, or 1 (= a global ranking) for an unsharded model.
+      weights: "compact" (default: prefill copies the R ∪ C gate/up rows and down columns into
+        the state, so decode runs dense matmuls on contiguous blocks) or "gather" (the state
+        keeps only channel ids; every decode step gathers those rows from the model's weights).
+        Same outputs; "gather" saves the copy — (3·n_R + 4·m)·d elements per layer, per sequence
+        with aggregate="per_sequence" — for per-step gathers (docs/scale_out.md).
     """
 
     name: ClassVar[str] = "pop"
@@ -209,6 +262,7 @@ class POP(RatioMethod):
     gamma: float = dataclasses.field(default=0.1, kw_only=True)
     partition: str = dataclasses.field(default="global", kw_only=True)
     shards: int | None = dataclasses.field(default=None, kw_only=True)
+    weights: str = dataclasses.field(default="compact", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -221,6 +275,10 @@ class POP(RatioMethod):
             raise MethodError(f"{self.name}: partition='per_shard' is implemented for 'pop' only")
         if self.shards is not None and self.partition != "per_shard":
             raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
+        if self.weights not in WEIGHT_MODES:
+            raise MethodError(f"weights={self.weights!r} is not one of {WEIGHT_MODES}")
+        if self.weights == "gather" and self.plan_class is not POPPlan:
+            raise MethodError(f"{self.name}: weights='gather' is implemented for 'pop' only")
 
     def prepare(self, model) -> "POP":
         """per_shard without ``shards`` takes the model mesh's "model" axis size."""
@@ -240,7 +298,9 @@ class POP(RatioMethod):
         if n_keep == f or keep == block:
             return DensePlan(f=f, n_keep=f)
         m = min(round_half_up(self.gamma * block / 2), block - keep, keep)
-        return POPShardedPlan(f=f, n_keep=keep * shards, aggregate=self.aggregate, shards=shards, m=m)
+        return POPShardedPlan(f=f, n_keep=keep * shards, aggregate=self.aggregate, shards=shards, m=m,
+                              gather=self.weights == "gather")
 
     def plan_sizes(self, f: int, n_keep: int) -> dict[str, int]:
-        return {"m": min(round_half_up(self.gamma * f / 2), f - n_keep, n_keep)}
+        sizes = {"m": min(round_half_up(self.gamma * f / 2), f - n_keep, n_keep)}
+        return sizes | ({"gather": True} if self.weights == "gather" else {})

@@ -23,6 +23,11 @@ is TEAL's own per-token rule); "per_token" gives every row its own mask.
 
 **Prefill is dense**: TEAL's generation kernels act on decode only (its accuracy code's partial
 prompt sparsification is an evaluation device); BWAP treats the prompt as dense too.
+
+**Mixture-of-experts models** (docs/moe.md): thresholds are per FFN block, ``t[l][slot]``,
+from the histograms of the calibration tokens routed to that expert (all tokens for a shared or
+dense-layer block); a block no calibration token reached takes the threshold of its layer's
+blocks pooled. At run time each block uses its own (``w["block"]``).
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
 class Thresholds:
     """Per-layer thresholds of a calibrated threshold method (hashable: they become plan fields).
 
-    ``per_tensor`` = ((tensor name, (t_0, ..., t_{L−1})), ...); ``sparsity`` = (tensor name,
+    ``per_tensor`` = ((tensor name, (t_0, ..., t_{L−1})), ...) (a MoE model's t_l is a tuple over
+    block slots, see the module docstring); ``sparsity`` = (tensor name,
     target) pairs they were calibrated for; ``source`` names the model and corpus."""
 
     sparsity: tuple[tuple[str, float], ...]
-    per_tensor: tuple[tuple[str, tuple[float, ...]], ...]
+    per_tensor: tuple[tuple[str, tuple], ...]
     source: str = ""
 
     def get(self, tensor: str) -> tuple[float, ...]:
@@ -82,16 +88,27 @@ def calibrate_thresholds(model, targets: dict[str, tuple[str, float]], corpus=No
     elif not isinstance(corpus, Corpus):
         raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
     hist = calibrate(model, AbsHistograms(), corpus, **calibrate_kwargs)
-    per_tensor = tuple(
-        (tensor, tuple(histogram_quantile(c, s) for c in np.asarray(hist[stat]))) for tensor, (stat, s) in targets.items()
-    )
+    per_tensor = tuple((tensor, block_quantiles(np.asarray(hist[stat]), s)) for tensor, (stat, s) in targets.items())
     sparsity = tuple((tensor, s) for tensor, (_, s) in targets.items())
     return Thresholds(sparsity, per_tensor, f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)")
 
 
-def layer_threshold(thresholds: tuple[float, ...], layer: jax.Array) -> jax.Array:
-    """This layer's threshold, picked inside jit by the layer index ``w["layer"]``."""
-    return jnp.asarray(thresholds, jnp.float32)[layer]
+def block_quantiles(counts: np.ndarray, s: float) -> tuple:
+    """Quantile thresholds from histograms: [L, bins] -> (t_l) per layer; a MoE model's
+    [L, slots, bins] -> ((t_l,slot) per slot) per layer, where a block without calibration
+    tokens (or a slot without a block) takes the quantile of its layer's blocks pooled."""
+    if counts.ndim == 2:
+        return tuple(histogram_quantile(c, s) for c in counts)
+    return tuple(
+        tuple(histogram_quantile(c if c.sum() > 0 else layer.sum(axis=0), s) for c in layer) for layer in counts
+    )
+
+
+def layer_threshold(thresholds: tuple, layer: jax.Array, block: jax.Array | None = None) -> jax.Array:
+    """This FFN block's threshold, picked inside jit by the layer index ``w["layer"]`` and, in a
+    MoE model (thresholds [L][slots]), the block slot ``w["block"]``."""
+    table = jnp.asarray(thresholds, jnp.float32)[layer]
+    return table if block is None else table[block]
 
 
 def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str) -> tuple[jax.Array, jax.Array]:
@@ -165,10 +182,15 @@ class ThresholdMethod(Method):
         if set(want) != set(have) or any(abs(want[t] - have[t]) > 1e-12 for t in want):
             raise MethodError(f"{name}: thresholds were calibrated for sparsity {have}, this budget needs {want}; calibrate again")
         out = {tensor: self.thresholds.get(tensor) for tensor in want}
+        L = cfg.num_hidden_layers
         for tensor, values in out.items():
-            if len(values) != cfg.num_hidden_layers:
+            if len(values) != L:
+                raise MethodError(f"{name}: {len(values)} thresholds for {tensor!r}, the model has {L} layers")
+            want_shape = (L,) if cfg.moe is None else (L, cfg.moe.slots(L))
+            if np.shape(values) != want_shape:
                 raise MethodError(
-                    f"{name}: {len(values)} thresholds for {tensor!r}, the model has {cfg.num_hidden_layers} layers"
+                    f"{name}: thresholds for {tensor!r} have shape {np.shape(values)}; this {cfg.model_type} model needs "
+                    f"{want_shape} ({'per layer' if cfg.moe is None else 'per layer and FFN block slot'}): calibrate on it"
                 )
         return out
 
@@ -185,9 +207,10 @@ class TEALPlan(Plan):
         return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
-        keep_x, dens_x = threshold_keep(x, valid, layer_threshold(self.thresholds_x, w["layer"]), self.aggregate)
+        layer, block = w["layer"], w.get("block")
+        keep_x, dens_x = threshold_keep(x, valid, layer_threshold(self.thresholds_x, layer, block), self.aggregate)
         h = activations(w["gate_up"], jnp.where(keep_x, x, 0))
-        keep_h, dens_h = threshold_keep(h, valid, layer_threshold(self.thresholds_h, w["layer"]), self.aggregate)
+        keep_h, dens_h = threshold_keep(h, valid, layer_threshold(self.thresholds_h, layer, block), self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
         return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}
 

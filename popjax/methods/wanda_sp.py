@@ -20,6 +20,13 @@ popjax.calibration) gives a method whose kept channels are fixed; used in ``gene
 the kept gate/up rows and down columns at prefill and runs the prompt and every step on them
 (`SelectionPlan`). ``popjax.pruned.prune_model(model, WandaSP(ratio))`` writes them into a
 smaller checkpoint instead: the deployable form, with the same outputs.
+
+**Mixture-of-experts models** (docs/moe.md): every FFN block is pruned on its own — a routed
+expert scored on the calibration tokens the router sent to it, a shared-expert or dense-layer
+block on all tokens — and keeps n_keep of its f_e channels (the selection has one entry per
+layer and block slot). A block no calibration token reached keeps its first n_keep channels in
+stored order, i.e. the weight-only ranking (docs/moe.md). Only the method form runs on MoE
+models; ``prune_model`` refuses them (popjax.pruned).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
 from ..models.config import ModelConfig
+from ..models.moe import table_row
 from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
 from .base import rank_channels, take_channels, take_gate_up
 
@@ -43,13 +51,16 @@ class ChannelSelection:
     """What an offline method calibrated: per layer the kept channel ids (ascending) and, for FLAP,
     the bias b_l [d] added to the down projection. Hashable: it becomes plan fields.
 
-    ``method`` and ``ratio`` say what it was calibrated for; ``source`` names model and corpus."""
+    ``method`` and ``ratio`` say what it was calibrated for; ``source`` names model and corpus.
+    ``blocks`` > 0 (a MoE model): ``kept`` and ``bias`` hold one entry per FFN block, row-major
+    over (layer, block slot) with ``blocks`` slots per layer (`models.moe.MoEConfig.slots`)."""
 
     method: str
     ratio: float
     kept: tuple[tuple[int, ...], ...]
     bias: tuple[tuple[float, ...], ...] | None = None
     source: str = ""
+    blocks: int = 0
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -61,26 +72,29 @@ class ChannelSelection:
 
 @dataclasses.dataclass(frozen=True)
 class SelectionPlan(Plan):
-    """A fixed channel selection per layer (``w["layer"]`` picks it inside jit). Layers may keep
-    different numbers of channels: they are padded to the widest, and the padded down columns
-    are zero, so they add nothing. ``n_keep`` is the mean width (the global budget)."""
+    """A fixed channel selection per layer (``w["layer"]`` picks it inside jit; in a MoE model
+    per FFN block, ``[layer, w["block"]]``). Layers may keep different numbers of channels: they
+    are padded to the widest, and the padded down columns are zero, so they add nothing.
+    ``n_keep`` is the mean width (the global budget)."""
 
     name: ClassVar[str] = "selection"
     kept: tuple[tuple[int, ...], ...] = ()
     bias: tuple[tuple[float, ...], ...] | None = None
+    blocks: int = 0  # block slots per layer (MoE), 0: one entry per layer
 
     @property
     def n_max(self) -> int:
         return max(len(k) for k in self.kept)
 
-    def _tables(self, layer: jax.Array):
-        """This layer's padded ids [n_max] int32, column mask [n_max] and bias [d] (or None)."""
+    def _tables(self, w):
+        """This layer's (block's) padded ids [n_max] int32, column mask [n_max] and bias [d] (or None)."""
+        row = table_row(w, self.blocks)
         idx = np.zeros((len(self.kept), self.n_max), np.int32)
         mask = np.zeros((len(self.kept), self.n_max), np.float32)
         for l, k in enumerate(self.kept):
             idx[l, : len(k)], mask[l, : len(k)] = k, 1.0
-        bias = None if self.bias is None else jnp.asarray(np.asarray(self.bias, np.float32))[layer]
-        return jnp.asarray(idx)[layer], jnp.asarray(mask)[layer], bias
+        bias = None if self.bias is None else jnp.asarray(np.asarray(self.bias, np.float32))[row]
+        return jnp.asarray(idx)[row], jnp.asarray(mask)[row], bias
 
     def _apply(self, state, x, bias):
         y = down_proj(activations(state["gate_up"], x), state["down"])
@@ -88,7 +102,7 @@ class SelectionPlan(Plan):
 
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], compact kept blocks, {}) — the prompt runs pruned too."""
-        idx, mask, bias = self._tables(w["layer"])
+        idx, mask, bias = self._tables(w)
         state = {
             "gate_up": take_gate_up(w["gate_up"], idx),  # [2 n_max, d]
             "down": take_channels(w["down"], idx, axis=1) * mask.astype(w["down"].dtype),  # [d, n_max]
@@ -96,7 +110,7 @@ class SelectionPlan(Plan):
         return self._apply(state, x, bias), state, {}
 
     def decode(self, w, state, x, step, valid):
-        return self._apply(state, x, self._tables(w["layer"])[2]), state, {}
+        return self._apply(state, x, self._tables(w)[2]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.n_max
@@ -167,14 +181,17 @@ class CalibratedPruning(Method):
         sel = self.selection
         if sel is None:
             raise MethodError(f"{self.name} has no kept channels yet: use {type(self).__name__}(...).calibrate(model) (or .prepare(model)) first")
-        if (sel.method, sel.ratio) != (self.name, self.ratio) or len(sel.kept) != cfg.num_hidden_layers:
+        L = cfg.num_hidden_layers
+        blocks = 0 if cfg.moe is None else cfg.moe.slots(L)
+        if (sel.method, sel.ratio) != (self.name, self.ratio) or len(sel.kept) != L * max(blocks, 1) or sel.blocks != blocks:
             raise MethodError(
                 f"{self.name}(ratio={self.ratio}): its selection was calibrated by {sel.method} at ratio={sel.ratio} for "
-                f"{len(sel.kept)} layers; this model has {cfg.num_hidden_layers}: calibrate again"
+                f"{len(sel.kept)} layers; this model has {L}"
+                + (f" layers × {blocks} FFN block slots" if blocks else "") + ": calibrate again"
             )
         if sum(sel.widths) != n_keep * len(sel.kept) or any(max(k, default=-1) >= f for k in sel.kept):
             raise MethodError(f"{self.name}: the selection (widths {list(sel.widths)}) does not fit f={f}, n_keep={n_keep}: calibrate again")
-        return SelectionPlan(f=f, n_keep=n_keep, kept=sel.kept, bias=sel.bias)
+        return SelectionPlan(f=f, n_keep=n_keep, kept=sel.kept, bias=sel.bias, blocks=blocks)
 
 
 def wanda_sp_scores(h: jax.Array, valid: jax.Array, down: jax.Array) -> jax.Array:
@@ -223,5 +240,10 @@ class WandaSP(CalibratedPruning):
             raise MethodError("wanda_sp calibrates the whole corpus as one batch (layers pruned in order); batch_size cannot be set")
         stat = WandaSPInOrder(n_keep=self.n_keep(model.config))
         sums = calibrate(model, stat, corpus, batch_size=len(corpus.windows), **calibrate_kwargs)
-        kept = tuple(tuple(int(j) for j in np.flatnonzero(row)) for row in np.asarray(sums["kept"]))
-        return ChannelSelection(self.name, self.ratio, kept, None, f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)")
+        rows = np.asarray(sums["kept"])
+        blocks = 0 if rows.ndim == 2 else rows.shape[1]  # a MoE model's [L, slots, f]
+        rows = rows.reshape(-1, rows.shape[-1])
+        # a slot without a block (zeros) keeps what a block without tokens keeps: the first n_keep
+        kept = tuple(tuple(int(j) for j in (np.flatnonzero(r) if r.any() else range(stat.n_keep))) for r in rows)
+        source = f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)"
+        return ChannelSelection(self.name, self.ratio, kept, None, source, blocks)

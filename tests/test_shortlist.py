@@ -1,0 +1,85 @@
+"""Shortlisted POP (popjax/methods/shortlist.py) against a plain NumPy reference, and its two
+ends: σ = 0.5 is gate-scored POP, σ = 1 is POP."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from popjax.methods import GateScoredPlan, MethodError, POPPlan, make_method
+from popjax.methods.shortlist import ShortlistPlan, ShortlistPOP
+from tests.test_frontier_methods import (
+    ATOL, CASES, D, as_jax, dnorm, jitted, random_batch, random_layer, ref_select_and_apply, run_and_compare,
+    silu, sizes, tiny_config,
+)
+
+
+def shortlist_size(m, n_c, sigma):
+    return min(n_c, max(m, int(math.floor(sigma * n_c + 0.5))))
+
+
+def ref_shortlist_step(s):
+    """A step of SPEC-style shortlisted POP: the top s of C by gate score (ties: earlier in C),
+    then the top m of those by POP's exact score (ties: earlier in the shortlist)."""
+
+    def step(W, R, C, x, m):
+        G = silu(x @ W["gate"])
+        H = G * (x @ W["up"])
+        dn = dnorm(W)
+        B = x.shape[0]
+        gate = {c: math.sqrt(sum(G[b, 0, c] ** 2 for b in range(B))) * dn[c] for c in C}
+        L = sorted(C, key=lambda c: (-gate[c], C.index(c)))[:s]
+        exact = {c: math.sqrt(sum(H[b, 0, c] ** 2 for b in range(B))) * dn[c] for c in L}
+        return ref_select_and_apply(W, R, L, x, exact, m)
+
+    return step
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+@pytest.mark.parametrize("sigma", [0.6, 0.8])
+@pytest.mark.parametrize("f, n_keep, gamma", CASES[:4])
+def test_shortlist_matches_reference(f, n_keep, gamma, sigma, aggregate):
+    rng = np.random.default_rng(f * 7 + n_keep)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [5, 8, 3], T=8)
+    n_r, n_c, m = sizes(f, n_keep, gamma)
+    s = shortlist_size(m, n_c, sigma)
+    plan = ShortlistPlan(f=f, n_keep=n_keep, m=m, s=s, aggregate=aggregate)
+    run_and_compare(plan, W, X, valid, aggregate, m, ref_shortlist_step(s))
+    assert plan.ffn_weights_read(D) == 3 * D * n_r + D * n_c + D * s + D * m
+
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0])
+def test_shortlist_ends_are_gate_scored_pop_and_pop(sigma):
+    """σ = 0.5 selects what gate-scored POP selects, σ = 1 what POP selects (the order within
+    the selection may differ), each at the other's bytes."""
+    f, n_keep, gamma = 96, 67, 0.4
+    rng = np.random.default_rng(11)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [6, 4], T=6)
+    n_r, n_c, m = sizes(f, n_keep, gamma)
+    plan = ShortlistPlan(f=f, n_keep=n_keep, m=m, s=shortlist_size(m, n_c, sigma))
+    other = (GateScoredPlan if sigma == 0.5 else POPPlan)(f=f, n_keep=n_keep, m=m)
+    assert plan.ffn_weights_read(D) == other.ffn_weights_read(D)
+    w = as_jax(W)
+    states = [jitted(p)[0](w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))[1] for p in (plan, other)]
+    for step in range(3):
+        x_t = jnp.asarray(rng.normal(0, 1.0, (2, 1, D)), jnp.float32)
+        (y1, _, a1), (y2, _, a2) = (jitted(p)[1](w, st, x_t, step, jnp.ones((2, 1), bool)) for p, st in zip((plan, other), states))
+        assert sorted(np.asarray(a1["selected"]).tolist()) == sorted(np.asarray(a2["selected"]).tolist())
+        np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+
+
+def test_shortlist_method_sizes_and_errors():
+    cfg = tiny_config(f=200)
+    plan = ShortlistPOP(0.2, gamma=0.4, shortlist=0.75).bind(cfg)
+    assert isinstance(plan, ShortlistPlan) and plan.s == round(0.75 * 2 * plan.m)
+    assert make_method("pop-shortlist", ratio=0.2, gamma=0.4, shortlist=0.75).bind(cfg) == plan
+    for bad in (0.4, 1.5, True):
+        with pytest.raises(MethodError, match=rf"shortlist={bad!r} is outside \[0.5, 1\]"):
+            ShortlistPOP(0.2, shortlist=bad)
+    with pytest.raises(MethodError, match=r"pop-shortlist: partition='per_shard' is implemented for 'pop' only"):
+        ShortlistPOP(0.2, partition="per_shard")
