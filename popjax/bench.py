@@ -28,7 +28,7 @@ from .convert.default_model import DEFAULT_MODEL
 from .flops import flops_report
 from .generation import generate_ids, pad_batch, pad_token_id
 from .loading import LoadedModel, load
-from .methods import Method, make_method, method_fields
+from .methods import Method, make_method, method_fields, method_label, parse_method_spec
 from .methods.base import Plan
 from .models.config import ModelConfig
 
@@ -189,9 +189,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     itemsize = jnp.dtype(model.dtype).itemsize
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # a method is a name or a spec with hyper-parameters ("pop-shortlist:gamma=1.0:shortlist=0.75")
+    takes_ratio = lambda spec: "ratio" in method_fields(spec.split(":")[0])
     methods = [make_method("dense")] + [
-        make_method(name, ratio=r) for name in args.methods if "ratio" in method_fields(name) for r in args.ratios
-    ] + [make_method(name) for name in args.methods if name != "dense" and "ratio" not in method_fields(name)]
+        parse_method_spec(spec, ratio=r) for spec in args.methods if takes_ratio(spec) for r in args.ratios
+    ] + [parse_method_spec(spec) for spec in args.methods if spec != "dense" and not takes_ratio(spec)]
     methods = [m.prepare(model) for m in methods]  # offline methods calibrate once (cached)
     bandwidth = [measure_bandwidth()]
     if "decode" not in args.suites:
@@ -212,6 +214,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         slots = length + engine.bucket_for(args.max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
         records.append({
             "method": run.method.name,
+            "label": method_label(run.method, exclude=("ratio", "aggregate")),  # as popjax frontier labels it
             "ratio": getattr(run.method, "ratio", 0.0),
             "batch": run.batch,
             **run.stats(),
@@ -222,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for method in methods:
         count = recompiles_across_prompts(model, method, prompts[0])
         for rec in records:
-            if rec["method"] == method.name and rec["ratio"] == getattr(method, "ratio", 0.0):
+            if rec["label"] == method_label(method, exclude=("ratio", "aggregate")) and rec["ratio"] == getattr(method, "ratio", 0.0):
                 rec["recompiles_across_20_prompts"] = count
     bw = float(np.median(bandwidth))
     for rec in records:
@@ -262,7 +265,7 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["records"]:
         hf_tps = hf.get(str(r["batch"]), {}).get("decode_tokens_per_s")
         lines.append(
-            f"| {r['method']} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
+            f"| {r.get('label', r['method'])} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
             f"{r['decode_tokens_per_s'] / dense[r['batch']]:.2f} | {r['decode_tokens_per_s'] / hf_tps if hf_tps else float('nan'):.2f} | "
             f"{r['roofline_tokens_per_s']:.1f} | {100 * r['roofline_fraction']:.0f} | {1000 * r['ttft_s']:.0f} | "
             f"{r['compile_s']:.1f} | {r.get('recompiles_across_20_prompts', '-')} |"

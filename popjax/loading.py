@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -267,6 +268,23 @@ def with_scanned_layers(model: LoadedModel) -> LoadedModel:
 
         loaded = sharding.shard_params(loaded, model.mesh)
     return loaded
+
+
+def unrolled(model: LoadedModel) -> LoadedModel:
+    """A scanned model (``scan_layers=True``) -> the same weights as the unrolled Transformer,
+    for the code that walks ``model.layers[i]`` (offline calibration, layer analysis); an
+    unrolled model is returned as it is. Each layer's parameters are sliced out of the stacks
+    (a copy of the layer weights while the result lives)."""
+    pure = nnx.to_pure_dict(model.params)
+    if "layer_stack" not in pure:
+        return model
+    stack = pure.pop("layer_stack")
+    graphdef, state = nnx.split(abstract_model_of(model.config, jnp.dtype(model.dtype)))
+    target = nnx.to_pure_dict(state)
+    target.update(pure)
+    target["layers"] = {i: jax.tree_util.tree_map(lambda a, i=i: a[i], stack) for i in target["layers"]}
+    nnx.replace_by_pure_dict(state, target)
+    return dataclasses.replace(model, graphdef=graphdef, params=state)
 
 
 def abstract_model_of(cfg: ModelConfig, dtype: jnp.dtype):

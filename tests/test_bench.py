@@ -28,11 +28,11 @@ def test_bench_command_writes_json(tmp_path):
     path = tmp_path / "bench.json"
     code = main([
         "bench", "--methods", "pop", "--ratios", "0.2", "--batches", "1", "--max-new-tokens", "4",
-        "--repeats", "1", "--no-transformers", "--json", str(path),
+        "--repeats", "1", "--no-transformers", "--scan-layers", "--json", str(path),
     ])
     assert code == 0
     result = json.loads(path.read_text())
-    assert result["bandwidth_gb_s"] > 0
+    assert result["bandwidth_gb_s"] > 0 and result["scan_layers"] is True  # scanned: the faster compile
     keys = {"method", "ratio", "batch", "decode_tokens_per_s", "ttft_s", "roofline_fraction", "recompiles_across_20_prompts"}
     assert {(r["method"], r["ratio"], r["batch"]) for r in result["records"]} == {("dense", 0.0, 1), ("pop", 0.2, 1)}
     for record in result["records"]:

@@ -187,6 +187,10 @@ def test_stacked_layout_and_stream(models):
         np.testing.assert_array_equal(pure["layer_stack"]["mlp"]["down_norm"][i], unrolled_pure["layers"][i]["mlp"]["down_norm"])
     # the same stacking from an already built unrolled model (models.scan.scan_layers)
     _assert_trees_equal(nnx.to_pure_dict(with_scanned_layers(unrolled).params), pure)
+    # and back: the unrolled view that offline calibration walks (loading.unrolled)
+    back = popjax.loading.unrolled(scanned)
+    assert back.graphdef == unrolled.graphdef and popjax.loading.unrolled(unrolled) is unrolled
+    _assert_trees_equal(nnx.to_pure_dict(back.params), unrolled_pure)
     method = METHODS["pop-shared"]
     req = GenerationRequest.create(scanned, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
     carry, _ = req.start(scanned)

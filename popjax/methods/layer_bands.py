@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..loading import unrolled
 from ..calibration import Statistic, calibrate
 from ..models.config import ModelConfig
 from ..models.moe import table_row
@@ -237,7 +238,7 @@ class LayerBandsPOP(RatioMethod):
         n_keep, _, _ = self.sizes(model.config)
         if n_keep == model.config.intermediate_size:
             return self  # binds to the dense plan
-        sums = calibrate(model, BandDrift(n_keep=n_keep), **calibrate_kwargs)
+        sums = calibrate(unrolled(model), BandDrift(n_keep=n_keep), **calibrate_kwargs)
         drift = np.asarray(sums["drift"], np.float64) / np.maximum(np.asarray(sums["prompts"]), 1)
         return self.with_drift(drift.reshape(-1), f"{model.source} / calibration corpus")  # MoE: [L, slots] row-major
 

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..loading import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import MethodError, Plan, activations, down_proj, prefill_importance, score_prompt, take_channels, take_gate_up
@@ -236,7 +237,7 @@ class LowRankPOP(POP):
         if self.factors is not None and self.factors.key == _model_key(model) and self.factors.rank == self.rank:
             return self
         check_rank(self.rank, model.config.hidden_size, model.config.intermediate_size)
-        return dataclasses.replace(self, factors=lowrank_factors(model, self.rank))
+        return dataclasses.replace(self, factors=lowrank_factors(unrolled(model), self.rank))
 
     def plan_sizes(self, f: int, n_keep: int) -> dict:
         return {**super().plan_sizes(f, n_keep), "rank": self.rank, "project": self.project, "factors": self.factors}

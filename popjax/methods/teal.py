@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..loading import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
 from ..models.config import ModelConfig
 from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, kept_channels
@@ -164,7 +165,7 @@ class ThresholdMethod(Method):
     def calibrate(self, model, corpus=None, **calibrate_kwargs: Any) -> "ThresholdMethod":
         """A copy with thresholds calibrated on ``corpus`` (default: the Shakespeare corpus),
         cached on disk by `popjax.calibration.calibrate`."""
-        thresholds = calibrate_thresholds(model, self.targets(model.config), corpus, **calibrate_kwargs)
+        thresholds = calibrate_thresholds(unrolled(model), self.targets(model.config), corpus, **calibrate_kwargs)
         return dataclasses.replace(self, thresholds=thresholds)
 
     def prepare(self, model) -> "ThresholdMethod":

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..loading import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
 from ..models.config import ModelConfig
 from ..models.moe import table_row
@@ -164,6 +165,7 @@ class CalibratedPruning(Method):
         """A copy holding the channels calibrated on ``corpus`` (default: the Shakespeare corpus;
         a path: a UTF-8 text file), cached on disk by `popjax.calibration.calibrate`."""
         check_uniform_ffn(model.config, self.name)
+        model = unrolled(model)  # the selection walks model.layers[i]
         corpus = resolve_corpus(model, corpus)
         return dataclasses.replace(self, selection=self.select(model, corpus, **calibrate_kwargs))
 
