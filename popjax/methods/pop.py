@@ -96,8 +96,10 @@ class POPPlan(AggregatedPlan):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]}).
         With ``gather`` the R ∪ C gate/up rows and R's down columns are gathered from the
         model's weights here, every step, instead of read from a copy made at prefill."""
-        kept = jnp.concatenate([state["retained_idx"], state["candidate_idx"]])
-        gate_up = take_gate_up(w["gate_up"], kept) if self.gather else state["gate_up"]
+        if self.gather:
+            gate_up = take_gate_up(w["gate_up"], jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
+        else:
+            gate_up = state["gate_up"]
         h = activations(gate_up, x)  # [B, 1, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
         down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
