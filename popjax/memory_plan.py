@@ -12,7 +12,9 @@ formula 2·L·B·S·kv_dim·itemsize / (data · model), and `bench.bytes_per_ste
 Published configs ship as small JSON files in ``popjax/configs/`` (HF ``config.json`` fields);
 any HF ``config.json`` path works as well. On CPU a mesh larger than the visible devices needs
 fake devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``); the CLI re-runs itself
-with that flag set, since XLA reads it only at start-up.
+with that flag set, since XLA reads it only at start-up. ``scan_layers=True`` (``--scan-layers``)
+plans the scanned model, whose programs hold one layer's code: an 80-layer model compiles where the
+unrolled one (80 inlined layer copies) does not finish.
 """
 
 from __future__ import annotations
@@ -86,20 +88,82 @@ def _cost(compiled) -> dict[str, float]:
     return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
-def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt: int | None = None,
-                dtype: str = "bfloat16") -> dict[str, Any]:
-    """Per-device memory and per-step cost of generating with ``method`` on ``mesh``.
-
-    ``context`` is the KV-cache capacity (prompt + generated tokens, an engine capacity bucket);
-    ``prompt`` the prefill length (default ``context // 2``). Returns a JSON-ready dict."""
+def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: int, dtype: str, scan_layers: bool,
+             decode_loop: bool = True) -> dict[str, Any]:
+    """Compiles the engine's programs against abstract sharded params (no weights): ``start``,
+    ``decode_loop`` (unless ``decode_loop=False``) and ``stream_step``; returns them with the
+    abstract ``params`` and the decode ``carry`` (ShapeDtypeStructs in XLA's shardings)."""
     from flax import nnx
 
     from . import engine, sharding
-    from .bench import bytes_per_step
-    from .loading import abstract_model_of
     from .generation import MAX_STOP_IDS
+    from .loading import abstract_model_of
+    from .models.scan import abstract_scanned_model
     from .sampling import SamplingParams
 
+    build = abstract_scanned_model if scan_layers else abstract_model_of  # shapes only, no weights
+    graphdef, _ = nnx.split(build(cfg, jnp.dtype(dtype)))
+    params = sharding.abstract_params(cfg, mesh, dtype, scan_layers=scan_layers)
+    rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
+    replicated = sharding.NamedSharding(mesh, sharding.PartitionSpec())
+    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
+    sampling = SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
+    stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    out: dict[str, Any] = {"params": params}
+    with jax.set_mesh(mesh):
+        lowered = engine.start.lower(graphdef, params, plan, tokens, tokens, key, sampling, stops, scalar(jnp.int32),
+                                     capacity=capacity)
+        out["start"] = lowered.compile()
+        # the carry as decode receives it: start's output shapes in the shardings XLA gave them
+        carry = out["carry"] = _with_shardings(lowered.out_info[0], out["start"].output_shardings[0])
+        if decode_loop:
+            out["loop"] = engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
+                                                   scalar(jnp.int32), capacity=capacity).compile()
+        out["step"] = engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, scalar(jnp.int32)).compile()
+    return out
+
+
+def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """``cfg`` cut to its first ``n`` layers (of a scannable config: every layer alike)."""
+    moe = cfg.moe
+    if moe is not None and moe.sparse_layers:
+        moe = dataclasses.replace(moe, sparse_layers=tuple(range(n)))
+    return dataclasses.replace(cfg, num_hidden_layers=n, moe=moe)
+
+
+def _layer_extrapolated_cost(cfg: ModelConfig, mesh, method, batch: int, prompt: int, capacity: int,
+                             dtype: str) -> dict[str, float]:
+    """XLA's cost of one unrolled decode step of the L-layer model, from the 1- and 2-layer
+    models: cost(1) + (L - 1)·(cost(2) - cost(1)), every layer being alike.
+
+    XLA's cost analysis counts a while loop's body once, so a scanned step reports one layer's
+    cost whatever L is. The unrolled step is additive over its identical layers (on a tiny
+    config the extrapolation from 1 and 2 layers gave the compiled 4-layer figures to 1e-5)."""
+    one, two = (_cost(_compile(_with_layers(cfg, n), mesh, method.bind(_with_layers(cfg, n)), batch, prompt,
+                               capacity, dtype, scan_layers=False, decode_loop=False)["step"]) for n in (1, 2))
+    return {k: one[k] + (cfg.num_hidden_layers - 1) * (two[k] - one[k]) for k in one}
+
+
+def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt: int | None = None,
+                dtype: str = "bfloat16", scan_layers: bool = False) -> dict[str, Any]:
+    """Per-device memory and per-step cost of generating with ``method`` on ``mesh``.
+
+    ``context`` is the KV-cache capacity (prompt + generated tokens, an engine capacity bucket);
+    ``prompt`` the prefill length (default ``context // 2``). ``scan_layers``: plan the scanned
+    model (``load(..., scan_layers=True)``, models/scan.py): its layers are stacked on a leading
+    [L] axis and run by one ``lax.scan`` step, so a program holds one layer's code and deep models
+    compile in minutes; configs the scanned model refuses (per-layer widths, mixed MoE layers)
+    raise its ValueError. Memory figures are then the scanned programs'; the decode-step cost is
+    extrapolated from unrolled 1- and 2-layer compiles (``_layer_extrapolated_cost``: XLA counts
+    a scan's body once). Returns a JSON-ready dict."""
+    from . import engine, sharding
+    from .bench import bytes_per_step
+    from .models.scan import check_scannable
+
+    if scan_layers:
+        check_scannable(cfg)  # before any compile: the scanned model's own error
     if batch < 1 or context < 2:
         raise ValueError(f"batch={batch} must be ≥ 1 and context={context} ≥ 2")
     prompt = context // 2 if prompt is None else prompt
@@ -111,24 +175,12 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     if getattr(method, "partition", None) == "per_shard" and method.shards is None:
         method = dataclasses.replace(method, shards=mesh.shape["model"])  # as POP.prepare does for a loaded model
     plan = method.bind(cfg)
-    graphdef, _ = nnx.split(abstract_model_of(cfg, jnp.dtype(dtype)))
-    params = sharding.abstract_params(cfg, mesh, dtype)
-    rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
-    replicated = sharding.NamedSharding(mesh, sharding.PartitionSpec())
-    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
-    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
-    sampling = SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
-    stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=replicated)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-    with jax.set_mesh(mesh):
-        lowered = engine.start.lower(graphdef, params, plan, tokens, tokens, key, sampling, stops, scalar(jnp.int32),
-                                     capacity=capacity)
-        start = lowered.compile()
-        # the carry as decode receives it: start's output shapes in the shardings XLA gave them
-        carry = _with_shardings(lowered.out_info[0], start.output_shardings[0])
-        loop = engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
-                                        scalar(jnp.int32), capacity=capacity).compile()
-        step = engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, scalar(jnp.int32)).compile()
+    programs = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers)
+    params, carry, start, loop = programs["params"], programs["carry"], programs["start"], programs["loop"]
+    step_cost = _cost(programs["step"])
+    if scan_layers:
+        step_cost = dict(_layer_extrapolated_cost(cfg, mesh, method, batch, prompt, capacity, dtype),
+                         scan_body_flops=step_cost["flops"], scan_body_bytes_accessed=step_cost["bytes_accessed"])
     itemsize = jnp.dtype(dtype).itemsize
     data, model_axis = mesh.shape["data"], mesh.shape["model"]
     kv_heads_split = model_axis if cfg.num_key_value_heads % model_axis == 0 else 1
@@ -152,8 +204,8 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     return {
         "model": cfg.model_type, "layers": cfg.num_hidden_layers, "mesh": {"data": data, "model": model_axis},
         "devices": data * model_axis, "batch": batch, "context": context, "prompt": prompt, "cache_slots": slots,
-        "dtype": dtype, "method": repr(method), "plan": type(plan).__name__,
-        "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": _cost(step),
+        "dtype": dtype, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
+        "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": step_cost,
     }
 
 
@@ -169,7 +221,8 @@ def format_plan(p: dict[str, Any]) -> str:
     g = lambda b: f"{b / GiB:8.3f}"  # noqa: E731
     lines = [
         f"{p['model']} ({p['layers']} layers), {p['dtype']}, mesh data={p['mesh']['data']} × model={p['mesh']['model']}, "
-        f"batch {p['batch']}, context {p['context']} (prompt {p['prompt']}, {p['cache_slots']} cache slots), {p['method']}",
+        f"batch {p['batch']}, context {p['context']} (prompt {p['prompt']}, {p['cache_slots']} cache slots), {p['method']}"
+        + (", scanned layers" if p.get("scan_layers") else ""),
         "per device (GiB)           XLA   analytic",
         f"  weights            {g(x['weights'])}   {g(a['weights'])}",
         f"  KV cache           {g(x['kv_cache'])}   {g(a['kv_cache'])}",
@@ -180,7 +233,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  decode peak        {g(x['decode_peak'])}",
         f"decode step: XLA {p['decode_step_cost']['flops'] / 1e9:.2f} GFLOP, {p['decode_step_cost']['bytes_accessed'] / GiB:.3f} GiB "
         f"accessed per device; analytic (whole model) {a['flops_per_decode_step'] / 1e9:.2f} GFLOP, "
-        f"{a['bytes_per_decode_step'] / GiB:.3f} GiB",
+        f"{a['bytes_per_decode_step'] / GiB:.3f} GiB"
+        + (" (XLA's: unrolled 1- and 2-layer steps extrapolated to all layers)" if p.get("scan_layers") else ""),
     ]
     return "\n".join(lines)
 
@@ -203,6 +257,8 @@ def register_cli(sub) -> None:
     add_method_args(p)
     p.add_argument("--partition", default=None, help="POP: global (default) or per_shard (compact blocks stay on their shard)")
     p.add_argument("--weights", default=None, help="POP: compact (default: a copy of the partition's rows in the state) or gather (ids only; per-step gathers)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="plan the scanned model (layers stacked, one lax.scan step): deep models compile in minutes")
     p.add_argument("--json", default=None, help="write the plan here")
     p.set_defaults(run=_cmd_plan)
 
@@ -216,6 +272,10 @@ def _cmd_plan(args) -> None:
 
     data, model_axis = parse_mesh(args.mesh)
     cfg = resolve_config(args.model)  # validate before any device work
+    if args.scan_layers:
+        from .models.scan import check_scannable
+
+        check_scannable(cfg)
     method = method_from_args(args)
     for option in ("partition", "weights"):
         if getattr(args, option) is None:
@@ -240,7 +300,7 @@ def _cmd_plan(args) -> None:
     from .sharding import make_mesh
 
     mesh = make_mesh((data, model_axis))
-    plan = memory_plan(cfg, mesh, method, args.batch, args.context, args.prompt, args.dtype)
+    plan = memory_plan(cfg, mesh, method, args.batch, args.context, args.prompt, args.dtype, args.scan_layers)
     plan["fits"] = {name: fits(plan, size) for name, size in DEVICES.items()}
     print(format_plan(plan))
     print("fits: " + ", ".join(f"{name} ({size // GiB} GiB): {'yes' if ok else 'no'}"

@@ -201,15 +201,19 @@ def param_shardings(params: Any, mesh: Mesh) -> dict:
     return _map_paths(lambda path, leaf: param_sharding(path, tuple(leaf.shape), mesh), params)
 
 
-def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32") -> Any:
+def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32", scan_layers: bool = False) -> Any:
     """The model's params as ShapeDtypeStructs carrying their shardings (an ``nnx.State``): what
-    an ahead-of-time ``jit(...).lower`` needs to plan per-device memory without any weights."""
+    an ahead-of-time ``jit(...).lower`` needs to plan per-device memory without any weights.
+    ``scan_layers``: the scanned model's params (``layer_stack.*`` [L, ...], models/scan.py; a
+    ValueError for configs it refuses, e.g. per-layer widths)."""
     from flax import nnx
 
     from .loading import abstract_model_of
+    from .models.scan import abstract_scanned_model
 
     check_mesh(cfg, mesh)
-    _, state = nnx.split(abstract_model_of(cfg, jnp.dtype(dtype)))
+    build = abstract_scanned_model if scan_layers else abstract_model_of
+    _, state = nnx.split(build(cfg, jnp.dtype(dtype)))
     pure = nnx.to_pure_dict(state)
     shaped = _map_paths(
         lambda path, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_sharding(path, tuple(leaf.shape), mesh)),

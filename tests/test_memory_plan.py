@@ -15,7 +15,7 @@ import pytest
 
 import popjax
 from popjax.memory_plan import memory_plan, parse_mesh, published_configs, resolve_config
-from popjax.models.config import ConfigError
+from popjax.models.config import ConfigError, ModelConfig
 from popjax.generation import GenerationRequest
 from popjax.sharding import make_mesh
 from tests.conftest import TINY_BASE
@@ -54,6 +54,35 @@ def test_plan_agrees_with_the_allocated_model_and_state(method, tiny_checkpoints
     assert x["decode"]["alias"] == pytest.approx(_nbytes(carry), rel=0.10)  # the donated carry is updated in place
     assert plan["analytic_per_device"]["kv_cache"] == x["kv_cache"]
     assert plan["decode_step_cost"]["flops"] > 0 and plan["decode_step_cost"]["bytes_accessed"] > 0
+
+
+@pytest.mark.parametrize("method", [popjax.Dense(), popjax.POP(0.3, aggregate="per_sequence")], ids=["dense", "pop"])
+def test_scanned_plan_matches_the_unrolled_plan(method):
+    # 3 layers, so the decode cost extrapolated from 1 and 2 unrolled layers is a real prediction
+    cfg = ModelConfig.from_hf_dict(dict(TINY, num_hidden_layers=3))
+    unrolled = memory_plan(cfg, make_mesh((1, 1)), method, 2, 64, 16, "float32")
+    scanned = memory_plan(cfg, make_mesh((1, 1)), method, 2, 64, 16, "float32", scan_layers=True)
+    assert (unrolled["scan_layers"], scanned["scan_layers"]) == (False, True)
+    for key in ("weights", "kv_cache", "method_state"):  # the stacked leaves hold the same bytes
+        assert scanned["xla_per_device"][key] == unrolled["xla_per_device"][key], key
+    assert scanned["xla_per_device"]["method_state"] > 0 or isinstance(method, popjax.Dense)
+    assert scanned["analytic_per_device"] == unrolled["analytic_per_device"]
+    cost, reference = scanned["decode_step_cost"], unrolled["decode_step_cost"]
+    assert cost["flops"] == pytest.approx(reference["flops"], rel=1e-3)
+    assert cost["bytes_accessed"] == pytest.approx(reference["bytes_accessed"], rel=1e-3)
+    assert cost["scan_body_flops"] < 0.8 * cost["flops"]  # XLA counts the scan's body once: why it is extrapolated
+
+
+def test_scanned_plan_refuses_per_layer_widths(tmp_path):
+    widths = dict(TINY, intermediate_sizes=[96, 64])
+    cfg = ModelConfig.from_hf_dict(widths)
+    with pytest.raises(ValueError, match=r"intermediate_sizes=\[96, 64\].*unrolled"):
+        memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 16, "float32", scan_layers=True)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(widths))
+    cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(path), "--context", "64", "--scan-layers"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert result.returncode == 2 and "intermediate_sizes=[96, 64]" in result.stderr
 
 
 def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):

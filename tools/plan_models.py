@@ -1,5 +1,6 @@
 """Memory plans of the published configs (docs/scale_out.md). Run with fake CPU devices:
-XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tools/plan_models.py OUT.json [MODEL ...]"""
+XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tools/plan_models.py OUT.json [MODEL ...] [--scan-layers]
+--scan-layers plans the scanned model (layers under lax.scan): what makes the 80-layer 70B compile."""
 import json
 import sys
 
@@ -15,17 +16,19 @@ METHODS = {
     "POP 0.2 per_sequence, per_shard, gather": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard", weights="gather"),
     "POP 0.2 shared, global, gather": popjax.POP(0.2, weights="gather"),
 }
-out, models = sys.argv[1], sys.argv[2:] or ["llama-3.1-8b"]
+args = [a for a in sys.argv[1:] if a != "--scan-layers"]
+scan = len(args) < len(sys.argv) - 1
+out, models = args[0], args[1:] or ["llama-3.1-8b"]
 try:  # plans already in OUT are kept and not recomputed
     results = json.load(open(out))
 except FileNotFoundError:
     results = []
-done = {(p["config"], p["label"]) for p in results}
+done = {(p["config"], p["label"], p.get("scan_layers", False)) for p in results}
 for name in models:
     for label, method in METHODS.items():
-        if (name, label) in done:
+        if (name, label, scan) in done:
             continue
-        plan = memory_plan(resolve_config(name), make_mesh((1, 8)), method, 8, 4096, 2048, "bfloat16")
+        plan = memory_plan(resolve_config(name), make_mesh((1, 8)), method, 8, 4096, 2048, "bfloat16", scan_layers=scan)
         plan.update(config=name, label=label, fits={k: fits(plan, v) for k, v in DEVICES.items()})
         print(format_plan(plan), plan["fits"], flush=True)
         results.append(plan)
