@@ -12,6 +12,7 @@ from . import calibration, layer_importance, memory_plan, pruned, sharding
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
     Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP,
+    ShortlistDynamic,
 )
 from .convert.default_model import DEFAULT_MODEL
 
@@ -26,6 +27,7 @@ __all__ = [
     "LayerBandsPOP",
     "LowRankPOP",
     "ShortlistPOP",
+    "ShortlistDynamic",
     "ProbePruning",
     "TEAL",
     "WandaSP",

@@ -1,5 +1,6 @@
 """Shortlisted POP (popjax/methods/shortlist.py) against a plain NumPy reference, and its two
-ends: σ = 0.5 is gate-scored POP, σ = 1 is POP."""
+ends: σ = 0.5 is gate-scored POP, σ = 1 is POP; shortlisted dynamic selection
+(shortlist_dynamic.py) against its reference, and σ = 1 against dynamic."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from popjax.methods import GateScoredPlan, MethodError, POPPlan, make_method
 from popjax.methods.shortlist import ShortlistPlan, ShortlistPOP
+from popjax.methods.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
 from tests.test_frontier_methods import (
-    ATOL, CASES, D, as_jax, dnorm, jitted, random_batch, random_layer, ref_select_and_apply, run_and_compare,
-    silu, sizes, tiny_config,
+    ATOL, CASES, D, as_jax, dnorm, group_norm, groups, jitted, random_batch, random_layer, ref_partition,
+    ref_select_and_apply, run_and_compare, silu, sizes, tiny_config,
 )
 
 
@@ -83,3 +85,77 @@ def test_shortlist_method_sizes_and_errors():
             ShortlistPOP(0.2, shortlist=bad)
     with pytest.raises(MethodError, match=r"pop-shortlist: partition='per_shard' is implemented for 'pop' only"):
         ShortlistPOP(0.2, partition="per_shard")
+
+
+# ------------------------------------------------------------------ shortlisted dynamic selection
+
+
+def ref_shortlist_dynamic(W, X, valid, x_steps, n_keep, s, prior_kind):
+    """SPEC-style shortlisted dynamic selection for one group of rows: the prompt output and
+    prior, then per step the top s of all channels by ‖silu(g)‖·û·‖W_d‖ (ties: lower id) and
+    the top n_keep of those by the exact score (ties: earlier in the shortlist)."""
+    dn = dnorm(W)
+    Y, _, _, _ = ref_partition(W, X, valid, n_keep, 0)
+    G, U = silu(X @ W["gate"]), X @ W["up"]
+    u_hat = {"up": group_norm(U, valid), "gated_up": group_norm(G * U, valid) / group_norm(G, valid), "none": np.ones(len(dn))}
+    prior = u_hat[prior_kind] * dn
+    outs = []
+    for x in x_steps:
+        G = silu(x @ W["gate"])
+        H = G * (x @ W["up"])
+        est = group_norm(G, np.ones(x.shape[:2], bool)) * prior
+        L = sorted(range(len(dn)), key=lambda j: (-est[j], j))[:s]
+        exact = group_norm(H, np.ones(x.shape[:2], bool)) * dn
+        S = sorted(L, key=lambda c: (-exact[c], L.index(c)))[:n_keep]
+        outs.append((H[..., S] @ W["down"][S], S))
+    return Y, outs
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+@pytest.mark.parametrize("prior", ["gated_up", "up", "none"])
+def test_shortlist_dynamic_matches_reference(aggregate, prior):
+    f, n_keep, s = 96, 40, 61
+    rng = np.random.default_rng(5 + len(prior))
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [5, 8, 3], T=8)
+    x_steps = [rng.normal(0, 1.0, (3, 1, D)) for _ in range(3)]
+    plan = ShortlistDynamicPlan(f=f, n_keep=n_keep, s=s, prior=prior, aggregate=aggregate)
+    prefill, decode = jitted(plan)
+    w = as_jax(W)
+    y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    got = [decode(w, state, jnp.asarray(x, jnp.float32), t, jnp.ones((3, 1), bool)) for t, x in enumerate(x_steps)]
+    for g in groups(aggregate, 3):
+        Y_ref, steps = ref_shortlist_dynamic(W, X[g], valid[g], [x[g] for x in x_steps], n_keep, s, prior)
+        np.testing.assert_allclose(np.asarray(y[g])[valid[g]], Y_ref[valid[g]], atol=ATOL)
+        for (y_t, _, aux), (y_ref, S) in zip(got, steps):
+            np.testing.assert_allclose(np.asarray(y_t[g]), y_ref, atol=ATOL)
+            selected = np.asarray(aux["selected"]) if aggregate == "shared" else np.asarray(aux["selected"][g.start])
+            assert selected.tolist() == S
+    assert plan.ffn_weights_read(D) == D * (f + s + n_keep)
+
+
+def test_shortlist_dynamic_at_full_shortlist_selects_what_dynamic_selects():
+    cfg = tiny_config(f=96)
+    plan, dynamic = ShortlistDynamic(0.3, shortlist=1.0).bind(cfg), make_method("dynamic", ratio=0.3).bind(cfg)
+    assert plan.s == plan.f and plan.ffn_weights_read(D) == dynamic.ffn_weights_read(D)
+    rng = np.random.default_rng(3)
+    w = as_jax(random_layer(rng, D, plan.f))
+    X, valid = random_batch(rng, D, [6, 4], T=6)
+    states = [jitted(p)[0](w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))[1] for p in (plan, dynamic)]
+    x_t = jnp.asarray(rng.normal(0, 1.0, (2, 1, D)), jnp.float32)
+    (y1, _, a1), (y2, _, a2) = (jitted(p)[1](w, st, x_t, 0, jnp.ones((2, 1), bool)) for p, st in zip((plan, dynamic), states))
+    top = np.argsort(-np.asarray(a2["scores"]))[: plan.n_keep]
+    assert sorted(np.asarray(a1["selected"]).tolist()) == sorted(top.tolist())
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+
+
+def test_shortlist_dynamic_sizes_and_errors():
+    cfg = tiny_config(f=200)
+    plan = make_method("dynamic-shortlist", ratio=0.2, shortlist=0.9).bind(cfg)
+    assert isinstance(plan, ShortlistDynamicPlan) and plan.s == 180 and plan.prior == "up"
+    assert ShortlistDynamic(0.2, shortlist=0.01).bind(cfg).s == plan.n_keep  # never below n_keep
+    for bad in (0, -0.5, 1.5, True):
+        with pytest.raises(MethodError, match=rf"shortlist={bad!r} is outside \(0, 1\]"):
+            ShortlistDynamic(0.2, shortlist=bad)
+    with pytest.raises(MethodError, match=r"prior='yes' is not one of \('up', 'gated_up', 'none'\)"):
+        ShortlistDynamic(0.2, prior="yes")

@@ -20,13 +20,14 @@ from .pop import POP, POPPlan, POPShardedPlan
 from .prefill_only import PrefillOnly, PrefillOnlyPlan
 from .probe import ProbePruning, ProbePruningPlan
 from .shortlist import ShortlistPlan, ShortlistPOP
+from .shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
 from .static import Static, StaticPlan
 from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly,
-                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP)
+                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP, ShortlistDynamic)
 }
 
 
@@ -128,6 +129,8 @@ __all__ = [
     "LowRankPOP",
     "ShortlistPlan",
     "ShortlistPOP",
+    "ShortlistDynamic",
+    "ShortlistDynamicPlan",
     "LowRankPlan",
     "ChannelSelection",
     "CATS",
