@@ -54,25 +54,29 @@ def test_shortlist_matches_reference(f, n_keep, gamma, sigma, aggregate):
     assert plan.ffn_weights_read(D) == 3 * D * n_r + D * n_c + D * s + D * m
 
 
+def assert_same_selections(plan, other, rng, steps=3):
+    """The two plans select the same channels (in any order) and give the same outputs, over a
+    prefill and ``steps`` decode steps on one random layer."""
+    w = as_jax(random_layer(rng, D, plan.f))
+    X, valid = random_batch(rng, D, [6, 4], T=6)
+    states = [jitted(p)[0](w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))[1] for p in (plan, other)]
+    for step in range(steps):
+        x_t = jnp.asarray(rng.normal(0, 1.0, (2, 1, D)), jnp.float32)
+        (y1, _, a1), (y2, _, a2) = (jitted(p)[1](w, st, x_t, step, jnp.ones((2, 1), bool)) for p, st in zip((plan, other), states))
+        assert sorted(np.asarray(a1["selected"]).tolist()) == sorted(np.asarray(a2["selected"]).tolist())
+        np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+
+
 @pytest.mark.parametrize("sigma", [0.5, 1.0])
 def test_shortlist_ends_are_gate_scored_pop_and_pop(sigma):
     """σ = 0.5 selects what gate-scored POP selects, σ = 1 what POP selects (the order within
     the selection may differ), each at the other's bytes."""
     f, n_keep, gamma = 96, 67, 0.4
-    rng = np.random.default_rng(11)
-    W = random_layer(rng, D, f)
-    X, valid = random_batch(rng, D, [6, 4], T=6)
     n_r, n_c, m = sizes(f, n_keep, gamma)
     plan = ShortlistPlan(f=f, n_keep=n_keep, m=m, s=shortlist_size(m, n_c, sigma))
     other = (GateScoredPlan if sigma == 0.5 else POPPlan)(f=f, n_keep=n_keep, m=m)
     assert plan.ffn_weights_read(D) == other.ffn_weights_read(D)
-    w = as_jax(W)
-    states = [jitted(p)[0](w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))[1] for p in (plan, other)]
-    for step in range(3):
-        x_t = jnp.asarray(rng.normal(0, 1.0, (2, 1, D)), jnp.float32)
-        (y1, _, a1), (y2, _, a2) = (jitted(p)[1](w, st, x_t, step, jnp.ones((2, 1), bool)) for p, st in zip((plan, other), states))
-        assert sorted(np.asarray(a1["selected"]).tolist()) == sorted(np.asarray(a2["selected"]).tolist())
-        np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=ATOL)
+    assert_same_selections(plan, other, np.random.default_rng(11))
 
 
 def test_shortlist_method_sizes_and_errors():
@@ -159,3 +163,58 @@ def test_shortlist_dynamic_sizes_and_errors():
             ShortlistDynamic(0.2, shortlist=bad)
     with pytest.raises(MethodError, match=r"prior='yes' is not one of \('up', 'gated_up', 'none'\)"):
         ShortlistDynamic(0.2, prior="yes")
+
+
+@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
+def test_shortlist_wide_band_with_up_prior_matches_reference(aggregate):
+    """band="all" (every channel outside R a candidate) and prior="up" (the shortlist's gate
+    score × the prompt's up norm per candidate), against the NumPy reference."""
+    f, n_keep, gamma, sigma = 96, 67, 0.4, 0.6
+    rng = np.random.default_rng(17)
+    W = random_layer(rng, D, f)
+    X, valid = random_batch(rng, D, [5, 8, 3], T=8)
+    method = ShortlistPOP(0.2, gamma=gamma, shortlist=sigma, band="all", prior="up", aggregate=aggregate)
+    plan = ShortlistPlan(f=f, n_keep=n_keep, aggregate=aggregate, **method.plan_sizes(f, n_keep))
+    n_r, m = n_keep - plan.m, plan.m
+    assert plan.n_candidates == f - n_r and plan.s == shortlist_size(m, f - n_r, sigma)
+    prefill, decode = jitted(plan)
+    w = as_jax(W)
+    y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    x_t = rng.normal(0, 1.0, (3, 1, D))
+    y_t, _, aux = decode(w, state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((3, 1), bool))
+    for g in groups(aggregate, 3):
+        Y_ref, order, _, _ = ref_partition(W, X[g], valid[g], n_keep, m)
+        np.testing.assert_allclose(np.asarray(y[g])[valid[g]], Y_ref[valid[g]], atol=ATOL)
+        R, C = order[:n_r], order[n_r:]
+        prior = group_norm(X[g] @ W["up"], valid[g]) * dnorm(W)
+        G = silu(x_t[g] @ W["gate"])
+        est = group_norm(G, np.ones((G.shape[0], 1), bool)) * prior
+        L = sorted(C, key=lambda c: (-est[c], C.index(c)))[: plan.s]
+        H = G * (x_t[g] @ W["up"])
+        exact = {c: v for c, v in zip(range(f), group_norm(H, np.ones((H.shape[0], 1), bool)) * dnorm(W))}
+        y_ref, S = ref_select_and_apply(W, R, L, x_t[g], exact, m)
+        np.testing.assert_allclose(np.asarray(y_t[g]), y_ref, atol=ATOL)
+        selected = np.asarray(aux["selected"]) if aggregate == "shared" else np.asarray(aux["selected"][g.start])
+        assert selected.tolist() == S
+    assert plan.ffn_weights_read(D) == 3 * D * n_r + D * (f - n_r) + D * plan.s + D * m
+
+
+def test_shortlist_wide_band_at_gamma_one_is_shortlisted_dynamic():
+    """γ = 1 with band="all" and prior="up" selects what ShortlistDynamic selects, at its bytes:
+    the two are one selection rule, with and without compact copies."""
+    cfg = tiny_config(f=96)
+    wide = ShortlistPOP(0.3, gamma=1.0, shortlist=0.7, band="all", prior="up").bind(cfg)
+    lean = ShortlistDynamic(0.3, shortlist=0.7).bind(cfg)
+    assert (wide.n_retained, wide.n_candidates, wide.s) == (0, wide.f, lean.s)
+    assert wide.ffn_weights_read(D) == lean.ffn_weights_read(D)
+    assert_same_selections(wide, lean, np.random.default_rng(23), steps=2)
+
+
+def test_shortlist_band_and_prior_errors():
+    with pytest.raises(MethodError, match=r"band='wide' is not one of \('pop', 'all'\)"):
+        ShortlistPOP(0.2, band="wide")
+    with pytest.raises(MethodError, match=r"prior='gated_up' is not one of \('none', 'up'\)"):
+        ShortlistPOP(0.2, prior="gated_up")
+    assert ShortlistPOP(0.2, shortlist=0.3, band="all").shortlist == 0.3  # below 0.5 only with the wide band
+    with pytest.raises(MethodError, match=r"shortlist=0.3 is outside \[0.5, 1\]"):
+        ShortlistPOP(0.2, shortlist=0.3)
