@@ -14,16 +14,17 @@ between the two: at decode step t, with POP's partition (R retained, C the 2m ca
 (‖·‖₂ over the batch's valid rows, as in POP). Sizes: POP's ``m``, ``n_R = n_keep − m`` and
 ``n_C = 2m`` from γ; the shortlist ``s = round(σ·n_C)`` clipped to [m, n_C] for ``shortlist=σ``.
 
-Two options reach the widest budgets, where POP's own band already scores almost every channel
-exactly (docs/frontier_methods.md §4): ``band="all"`` makes every channel outside R a candidate
-(``n_C = f − n_R``, no pruned region; ``m = round(γ·n_keep)``, so γ = 1 leaves R empty), and ``prior="up"`` weights the shortlist's gate score by the
-prompt's up-projection norm per candidate, ‖x W_u[c]ᵀ‖₂ over the prompt's valid tokens (computed
-once at prefill; no byte per step). With γ = 1, ``band="all"`` and ``prior="up"`` the method
-selects what ``ShortlistDynamic`` selects (tested), holding compact copies where that one reads
-the model's matrices.
 Weights read per decode token per layer: ``3d·n_R + d·n_C + d·s + d·m``. The two ends are the
 existing methods: s = m is gate-scored POP (every shortlisted channel is selected) and s = n_C
 is POP (exact scores over the whole band), so σ moves continuously from one to the other.
+
+Two options reach the widest budgets, where POP's own band already scores almost every channel
+exactly (docs/frontier_methods.md §4). ``band="all"`` makes every channel outside R a candidate
+(``n_C = f − n_R``, no pruned region; ``m = round(γ·n_keep)``, so γ = 1 leaves R empty).
+``prior="up"`` weights the shortlist's gate score by the prompt's up-projection norm per
+candidate, ‖x W_u[c]ᵀ‖₂ over the prompt's valid tokens (computed once at prefill; no byte per
+step). With γ = 1, ``band="all"`` and ``prior="up"`` the method selects what ``ShortlistDynamic``
+selects (tested), from compact copies where that one reads the model's matrices.
 
 Ties: ``lax.top_k`` keeps the lower position, within C for the shortlist and within the
 shortlist (in shortlist order) for the final choice.
