@@ -190,7 +190,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     # a method is a name or a spec with hyper-parameters ("pop-shortlist:gamma=1.0:shortlist=0.75")
-    takes_ratio = lambda spec: "ratio" in method_fields(spec.split(":")[0])
+    takes_ratio = lambda spec: "ratio" in method_fields(spec.split(":")[0])  # noqa: E731
+    label = lambda method: method_label(method, exclude=("ratio", "aggregate"))  # noqa: E731  as popjax frontier labels it
     methods = [make_method("dense")] + [
         parse_method_spec(spec, ratio=r) for spec in args.methods if takes_ratio(spec) for r in args.ratios
     ] + [parse_method_spec(spec) for spec in args.methods if spec != "dense" and not takes_ratio(spec)]
@@ -214,7 +215,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         slots = length + engine.bucket_for(args.max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
         records.append({
             "method": run.method.name,
-            "label": method_label(run.method, exclude=("ratio", "aggregate")),  # as popjax frontier labels it
+            "label": label(run.method),
             "ratio": getattr(run.method, "ratio", 0.0),
             "batch": run.batch,
             **run.stats(),
@@ -225,7 +226,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for method in methods:
         count = recompiles_across_prompts(model, method, prompts[0])
         for rec in records:
-            if rec["label"] == method_label(method, exclude=("ratio", "aggregate")) and rec["ratio"] == getattr(method, "ratio", 0.0):
+            if rec["label"] == label(method) and rec["ratio"] == getattr(method, "ratio", 0.0):
                 rec["recompiles_across_20_prompts"] = count
     bw = float(np.median(bandwidth))
     for rec in records:

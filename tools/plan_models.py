@@ -16,8 +16,8 @@ METHODS = {
     "POP 0.2 per_sequence, per_shard, gather": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard", weights="gather"),
     "POP 0.2 shared, global, gather": popjax.POP(0.2, weights="gather"),
 }
+scan = "--scan-layers" in sys.argv[1:]
 args = [a for a in sys.argv[1:] if a != "--scan-layers"]
-scan = len(args) < len(sys.argv) - 1
 out, models = args[0], args[1:] or ["llama-3.1-8b"]
 try:  # plans already in OUT are kept and not recomputed
     results = json.load(open(out))
