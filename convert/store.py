@@ -4,7 +4,8 @@ Layout of a converted directory::
 
     popjax.json   marker: format version, source, dtype (written last, inside the temp dir)
     config.json   allow-listed HF config fields
-    params/       orbax StandardCheckpointer tree of numpy arrays
+    params/       orbax StandardCheckpointer tree of numpy arrays, in the fused layout the
+                  modules read (convert/fused.py), so a mesh restores each tensor into its sharding
     tokenizer/    transformers tokenizer files (when the source had one)
 
 A directory is built under a temporary name and renamed into place only when complete, so an
@@ -23,9 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..models.config import ModelConfig
+from .fused import fuse_checkpoint
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2  # 2: HF [out, in] layout
+FORMAT_VERSION = 3  # 2: HF [out, in] layout; 3: fused q/k/v and gate/up (convert/fused.py)
 MARKER = "popjax.json"
 
 
@@ -55,7 +57,8 @@ def write_converted(
     meta: dict[str, Any],
 ) -> None:
     """Writes a converted checkpoint atomically: everything goes to a sibling temp directory,
-    which is renamed to ``destination`` only after the marker is written."""
+    which is renamed to ``destination`` only after the marker is written. ``params`` is in the
+    HF layout (q/k/v and gate/up apart); it is stored fused (convert/fused.py)."""
     import orbax.checkpoint as ocp
 
     destination = destination.resolve()
@@ -65,7 +68,7 @@ def write_converted(
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
     try:
         checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / "params", params)
+        checkpointer.save(tmp / "params", fuse_checkpoint(cfg, params))
         checkpointer.wait_until_finished()
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
         has_tokenizer = save_tokenizer(tmp / "tokenizer")
@@ -82,8 +85,15 @@ def write_converted(
         raise
 
 
-def read_converted(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
-    """-> (config, params as a nested dict of arrays, marker metadata)."""
+def read_converted(
+    directory: Path, sharding_of: Callable[[str, tuple[int, ...]], Any] | None = None
+) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """-> (config, params as a nested dict in the fused layout, marker metadata).
+
+    Without ``sharding_of`` the params are host (NumPy) arrays. With it, ``sharding_of(name,
+    shape)`` (``name`` dotted, e.g. ``layers.0.mlp.gate_up``) gives each tensor's sharding and
+    orbax restores it straight into that sharding: each device reads only its own block."""
+    import jax
     import orbax.checkpoint as ocp
 
     meta = json.loads((directory / MARKER).read_text())
@@ -93,6 +103,18 @@ def read_converted(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[s
             f"{FORMAT_VERSION}; convert the source again"
         )
     cfg = ModelConfig.from_json(directory / "config.json")
-    params = ocp.StandardCheckpointer().restore((directory / "params").resolve())
-    return cfg, params, meta
+    path = (directory / "params").resolve()
+    checkpointer = ocp.StandardCheckpointer()
+    target = None
+    if sharding_of is not None:
+        stored = checkpointer.metadata(path).item_metadata
+        target = jax.tree_util.tree_map_with_path(
+            lambda keys, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding_of(dotted(keys), tuple(m.shape))),
+            stored.tree if hasattr(stored, "tree") else stored,
+        )
+    return cfg, checkpointer.restore(path, target), meta
 
+
+def dotted(keys) -> str:
+    """A pytree key path -> ``layers.0.mlp.gate_up``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)

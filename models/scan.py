@@ -304,9 +304,19 @@ def abstract_scanned_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> 
     return nnx.eval_shape(lambda: ScannedTransformer(cfg, dtype))
 
 
-def stack_layer_tree(tree: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    """A host checkpoint tree in the module's layout (``layers.{i}.*``, str keys, NumPy arrays)
-    -> the scanned layout: ``layer_stack.*`` holds each tensor of every layer stacked [L, ...]."""
-    layers = [tree["layers"][str(i)] for i in range(n_layers)]
-    stacked = jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(a) for a in leaves]), *layers)
-    return {**{k: v for k, v in tree.items() if k != "layers"}, "layer_stack": stacked}
+def stack_layer_tree(tree: dict[str, Any], n_layers: int, stack: Callable[[str, list], Any] | None = None) -> dict[str, Any]:
+    """A checkpoint tree in the module's layout (``layers.{i}.*``, str keys) -> the scanned
+    layout: ``layer_stack.*`` holds each tensor of every layer stacked [L, ...]. ``stack(name,
+    leaves)`` (name e.g. ``mlp.gate_up``) stacks one tensor kind; default: ``np.stack`` on the
+    host. ``tree["layers"]`` is consumed (emptied), and each kind's per-layer arrays are dropped
+    once stacked, so the peak is the weights plus one tensor kind, not twice the weights."""
+    stack = stack or (lambda _name, leaves: np.stack([np.asarray(a) for a in leaves]))
+    by_layer = tree["layers"]
+    treedef = jax.tree_util.tree_structure(by_layer["0"])
+    flat = [dict(jax.tree_util.tree_flatten_with_path(by_layer[str(i)])[0]) for i in range(n_layers)]
+    by_layer.clear()
+    stacked = []
+    for path in list(flat[0]):
+        stacked.append(stack(".".join(str(k.key) for k in path), [f.pop(path) for f in flat]))
+    rest = {k: v for k, v in tree.items() if k != "layers"}
+    return {**rest, "layer_stack": jax.tree_util.tree_unflatten(treedef, stacked)}

@@ -16,12 +16,12 @@ from flax import nnx
 
 from .convert import convert as conv
 from .convert.default_model import DEFAULT_MODEL, default_gguf_path
+from .convert.fused import fuse_checkpoint
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
 from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
 from .models.layers import MLPWeights
-from .models.moe import fuse_layer as fuse_moe_layer
 from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,10 @@ def load(
         GPU/TPU, float32 on CPU. In bf16, weights, activations and KV caches are bf16; attention
         scores, softmax, norms and pruning scores are computed in fp32.
       cache: convert once and keep the result under ``$POPJAX_CACHE`` (~/.cache/popjax).
-      mesh: a ``popjax.sharding.make_mesh(...)`` mesh: each weight goes from host memory straight
-        into its sharding (each device receives only its block; popjax.sharding.RULES).
+      mesh: a ``popjax.sharding.make_mesh(...)`` mesh: orbax restores each weight of the
+        converted store straight into its sharding (each device reads only its own block from
+        disk; popjax.sharding.RULES); with ``cache=False`` each converted tensor goes from host
+        memory into its sharding.
       scan_layers: stack the layers' parameters once on a leading [L] axis and run them with
         ``lax.scan`` (models/scan.py): one layer's code per program, so compiles are faster for
         deep models; identical results. Needs identical layers (ValueError otherwise); the
@@ -177,13 +179,19 @@ def load(
                 convert_source(path, directory, dtype)
             except FileExistsError:
                 pass  # another process finished the same conversion first
-    cfg, params, meta = read_converted(directory)
+    sharding_of = None
+    if mesh is not None:
+        from . import sharding
+
+        sharding.check_mesh(ModelConfig.from_json(directory / "config.json"), mesh)
+        sharding_of = lambda name, shape: sharding.param_sharding(name, shape, mesh)
+    cfg, params, meta = read_converted(directory, sharding_of)  # with a mesh: each device reads its blocks
     tokenizer = None
     if meta.get("tokenizer"):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
-    return build_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
+    return place_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
 
 
 def _load_tokenizer_direct(kind: str, path: Path):
@@ -197,44 +205,29 @@ def _load_tokenizer_direct(kind: str, path: Path):
         return AutoTokenizer.from_pretrained(tmp)
 
 
-def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
-    """Converted checkpoint tree (HF layout, q/k/v and gate/up apart) -> the module's tree
-    (``attn.qkv``, ``attn.qkv_bias``, ``mlp.gate_up``), with str layer keys."""
-    out = {k: v for k, v in tree.items() if k != "layers"}
-    out["layers"] = {}
-    for key, layer in tree["layers"].items():
-        attn = dict(layer["attn"])
-        fused_attn = {"qkv": np.concatenate([attn.pop("q"), attn.pop("k"), attn.pop("v")], axis=0)}
-        if cfg.qkv_bias:
-            fused_attn["qkv_bias"] = np.concatenate([attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias")])
-        mlp = layer["mlp"]
-        if cfg.moe is not None:  # stacked expert blocks (models/moe.py)
-            fused_mlp = fuse_moe_layer(cfg, int(key), mlp)
-        else:
-            fused_mlp = {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]}
-        if "down_bias" in mlp:  # a FLAP-pruned checkpoint (popjax.pruned)
-            fused_mlp["down_bias"] = mlp["down_bias"]
-        out["layers"][str(key)] = {
-            **{k: v for k, v in layer.items() if k not in ("attn", "mlp")},
-            "attn": {**attn, **fused_attn},
-            "mlp": fused_mlp,
-        }
-    return out
-
-
 def build_model(
     cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None,
     scan_layers: bool = False,
 ) -> LoadedModel:
-    """Places a converted checkpoint tree into the Transformer and computes derived constants;
-    with a ``mesh``, every tensor goes from host memory directly into its sharding. With
-    ``scan_layers`` the layers are stacked on the host first (models.scan.ScannedTransformer),
-    so each stacked tensor is placed once, never stacked on the device."""
+    """A converted checkpoint tree in the HF layout (q/k/v and gate/up apart, host arrays) ->
+    the model: fused (convert/fused.py), then placed as `place_model` does."""
+    return place_model(cfg, fuse_checkpoint(cfg, params), tokenizer, source, dtype, mesh, scan_layers)
+
+
+def place_model(
+    cfg: ModelConfig, tree: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None,
+    scan_layers: bool = False,
+) -> LoadedModel:
+    """Places a checkpoint tree in the fused layout into the Transformer and computes derived
+    constants. ``tree`` holds host arrays, or (a sharded restore, `read_converted`) device
+    arrays already in their shardings, which stay where they are. With a ``mesh``, every host
+    tensor goes from host memory directly into its sharding. With ``scan_layers`` the layers
+    are stacked first: on the host, or for device arrays on the devices, one tensor kind at a
+    time (each device stacks its own blocks; nothing moves between devices)."""
     dtype_jnp = jnp.dtype(dtype)
-    tree = fuse_checkpoint(cfg, params)
     if scan_layers:
         abstract = abstract_scanned_model(cfg, dtype_jnp)  # ValueError for non-identical layers
-        tree = stack_layer_tree(tree, cfg.num_hidden_layers)
+        tree = stack_layer_tree(tree, cfg.num_hidden_layers, stack=_stack_where_they_are(mesh))
     else:
         abstract = abstract_model_of(cfg, dtype_jnp)
     graphdef, state = nnx.split(abstract)
@@ -254,6 +247,23 @@ def build_model(
     if mesh is not None:  # derived constants (finalize) land in their shardings too
         loaded = sharding.shard_params(loaded, mesh)
     return loaded
+
+
+def _stack_where_they_are(mesh: Any):
+    """-> stack(name, per-layer arrays) for `stack_layer_tree`: host arrays with ``np.stack``;
+    device arrays (a sharded restore) with one compiled stack whose output has the stacked
+    parameter's sharding (the layer axis unsplit, so each device stacks the blocks it already
+    holds and nothing moves between devices)."""
+
+    def stack(name: str, leaves: list) -> Any:
+        if mesh is None or not isinstance(leaves[0], jax.Array):
+            return np.stack([np.asarray(a) for a in leaves])
+        from . import sharding
+
+        out = sharding.param_sharding(f"layer_stack.{name}", (len(leaves), *leaves[0].shape), mesh)
+        return jax.jit(jnp.stack, out_shardings=out)(leaves)
+
+    return stack
 
 
 def with_scanned_layers(model: LoadedModel) -> LoadedModel:
@@ -303,16 +313,20 @@ def abstract_model_of(cfg: ModelConfig, dtype: jnp.dtype):
 
 
 def _fill(target: dict, source: dict, prefix: str, place) -> None:
-    """Copies source leaves into target (int layer keys in target, str keys in source) through
-    ``place(name, host array, dtype)`` (device placement)."""
+    """Copies source leaves into target (int layer keys in target, str keys in source): host
+    arrays through ``place(name, host array, dtype)`` (device placement), device arrays as
+    they are (cast to the target dtype where it differs)."""
     for key, value in target.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             _fill(value, source[str(key)], name + ".", place)
         elif name.endswith("down_norm"):
-            target[key] = place(name, np.zeros(value.shape, value.dtype), value.dtype)  # derived in finalize()
+            target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize(), then placed
         else:
-            array = np.asarray(source[str(key)])
+            array = source[str(key)]
+            if not isinstance(array, jax.Array):
+                array = np.asarray(array)
             if tuple(array.shape) != tuple(value.shape):
                 raise CheckpointError(f"tensor {name} has shape {array.shape}; the config needs {tuple(value.shape)}")
-            target[key] = place(name, array, value.dtype)
+            # a device array (sharded restore) keeps its placement; a host array is placed
+            target[key] = array.astype(value.dtype) if isinstance(array, jax.Array) else place(name, array, value.dtype)

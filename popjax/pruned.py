@@ -53,7 +53,7 @@ def _numpy(tree: Any) -> Any:
 
 def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
     """The model's parameters as a converted-checkpoint tree (numpy, str keys, HF layout with q/k/v
-    and gate/up apart, derived constants dropped): the inverse of `loading.fuse_checkpoint`."""
+    and gate/up apart, derived constants dropped): the inverse of `convert.fused.fuse_checkpoint`."""
     cfg = model.config
     pure = _numpy(nnx.to_pure_dict(model.params))
     tree = {k: v for k, v in pure.items() if k != "layers"}

@@ -170,3 +170,15 @@ def test_interrupted_conversion_leaves_no_cache_entry(checkpoint_copy, tmp_path,
     entries = list(converted.iterdir())
     assert len(entries) == 1 and store.is_converted(entries[0])
     assert model.config.num_key_value_heads == 2
+
+
+def test_converted_store_of_another_format_is_refused(checkpoint_copy, tmp_path, monkeypatch):
+    """A store written in another layout (format 2 kept q/k/v and gate/up apart) is never read
+    as if it were fused: the error names both formats and says to convert again."""
+    monkeypatch.setenv("POPJAX_CACHE", str(tmp_path / "cache"))
+    popjax.load(checkpoint_copy)
+    (directory,) = (tmp_path / "cache" / "converted").iterdir()
+    marker = directory / store.MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "format_version": 2}))
+    with pytest.raises(ValueError, match=rf"popjax format 2, this popjax reads {store.FORMAT_VERSION}; convert the source again"):
+        popjax.load(directory)

@@ -323,6 +323,42 @@ def _decode_step_hlo(model, method) -> str:
     return lowered.compile().as_text()
 
 
+def restore_straight_into_shardings(cfg, tree, placed) -> dict:
+    """``popjax.load(converted dir, mesh=(1, 8))``, unrolled and scanned, with host placement
+    (``sharding.place``) forbidden: orbax must restore every tensor into its sharding. -> per
+    layout: the largest difference to ``placed`` (built from host arrays), for the stored
+    tensors and for the derived ones, and the leaves whose sharding differs from the rules'."""
+    import tempfile
+    from unittest import mock
+
+    import jax
+    from flax import nnx
+
+    import popjax
+    from popjax import sharding
+    from popjax.convert.store import dotted, write_converted
+    from popjax.loading import with_scanned_layers
+
+    directory = Path(tempfile.mkdtemp()) / "model"
+    write_converted(directory, cfg, tree, lambda _: False, {"source": "random", "kind": "hf", "dtype": "float32"})
+    mesh = placed.mesh
+    out = {}
+    for layout, want_model in (("unrolled", placed), ("scanned", with_scanned_layers(placed))):
+        with mock.patch.object(sharding, "place", side_effect=AssertionError("a host array was placed")):
+            got_model = popjax.load(directory, mesh=mesh, scan_layers=layout == "scanned")
+        got, want = nnx.to_pure_dict(got_model.params), nnx.to_pure_dict(want_model.params)
+        diffs, derived, wrong = [], [0.0], []
+        for (keys, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)):
+            path = dotted(keys)
+            # ‖W_d[:, j]‖₂ is computed after loading (per layer, or on the stack): rounding only
+            (derived if path.endswith("down_norm") else diffs).append(float(np.abs(np.asarray(a) - np.asarray(b)).max()))
+            if not a.sharding.is_equivalent_to(sharding.param_sharding(path, tuple(a.shape), mesh), a.ndim):
+                wrong.append(path)
+        out[layout] = {"leaves": len(diffs), "max_abs_diff": max(diffs), "max_abs_diff_derived": max(derived),
+                       "wrong_shardings": wrong}
+    return out
+
+
 def worker(out_path: str, all_methods: bool = False) -> None:
     """Runs in the 8-device subprocess; writes its findings as JSON for the tests to check.
 
@@ -368,6 +404,7 @@ def worker(out_path: str, all_methods: bool = False) -> None:
             "largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0),
             "weight_threshold_elements": weight_elements,
         }
+    results["restore"] = restore_straight_into_shardings(cfg, tree, sharded[(1, 8)])
     results["cpu_seconds"] = time.process_time() - start
     Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -418,3 +455,13 @@ def test_eight_devices_match_one_device(eight_devices):
         assert found["counts"]["all-to-all"] == 0, (name, found)
     per_shard = results["collectives"]["pop-per_shard"]
     assert per_shard["largest_all_gather"] < per_shard["weight_threshold_elements"], per_shard
+
+
+def test_eight_devices_restore_into_shardings(eight_devices):
+    """``popjax.load(converted dir, mesh=(1, 8))`` restores every tensor straight into its
+    sharding (no host placement), unrolled and scanned, with the host path's exact values."""
+    for layout, found in eight_devices["restore"].items():
+        assert found["leaves"] > 10, (layout, found)
+        assert found["max_abs_diff"] == 0.0, (layout, found)
+        assert found["max_abs_diff_derived"] <= 1e-6, (layout, found)
+        assert found["wrong_shardings"] == [], (layout, found)
