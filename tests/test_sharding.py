@@ -460,8 +460,11 @@ def test_eight_devices_match_one_device(eight_devices):
 def test_eight_devices_restore_into_shardings(eight_devices):
     """``popjax.load(converted dir, mesh=(1, 8))`` restores every tensor straight into its
     sharding (no host placement), unrolled and scanned, with the host path's exact values."""
+    # Two layers of six tensors plus embedding, final norm and LM head; scanned: one stack per kind.
+    expected_leaves = {"unrolled": 2 * 6 + 3, "scanned": 6 + 3}
+    assert set(eight_devices["restore"]) == set(expected_leaves), eight_devices["restore"]
     for layout, found in eight_devices["restore"].items():
-        assert found["leaves"] > 10, (layout, found)
+        assert found["leaves"] == expected_leaves[layout], (layout, found)
         assert found["max_abs_diff"] == 0.0, (layout, found)
         assert found["max_abs_diff_derived"] <= 1e-6, (layout, found)
         assert found["wrong_shardings"] == [], (layout, found)
