@@ -17,7 +17,9 @@ never holds a channel's gate and up row together; XLA pairs them by moving *acti
 were measured to make XLA re-shard the weights with an all-to-all at every step (see
 docs/sharding.md), because every method reads ``gate_up`` as one ``[2f, d]`` matrix.
 POP's ``partition="per_shard"`` gathers its compact blocks through a ``[2, n, f/n, d]`` view whose
-blocks are exactly the devices' row blocks, so those gathers stay local.
+blocks are exactly the devices' row blocks, so those gathers stay local. Compact copies of
+channels that lie anywhere in f (static, global POP) are made by ``take_split``: local gathers
+and one reduce-scatter, the copy split over ``model`` like the weight it comes from.
 
 Mesh axes: ``data`` (batch) × ``model`` (heads, FFN channels, vocabulary).
 """
@@ -287,6 +289,52 @@ def constrain_method_state(plan: Any, state: Any) -> Any:
         return jax.lax.with_sharding_constraint(a, PartitionSpec(data, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1)))
 
     return jax.tree_util.tree_map(rows, state)
+
+
+
+# An id no device owns: gathers of it give zero rows (padding of split compact copies). Negative
+# even after adding f, so gate/up row pairs (ids, ids + f) of a padding id stay unowned.
+UNOWNED = -(2**30)
+
+
+def split_channels() -> int:
+    """How many ways a compact copy is split along its channel axis: the active mesh's ``mlp``
+    axis size (FFN channels over ``model``), 1 without a mesh."""
+    return active_mesh_axes().get(RULES["mlp"], 1)
+
+
+def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """``jnp.take(w, ids, axis)`` whose result is split over the ``mlp`` mesh axis along ``axis``,
+    as ``w`` is, without ever gathering ``w``: each device takes the ids that fall in its own
+    block of ``w`` (zeros for the others), and one reduce-scatter sums those partial copies, so
+    each device keeps 1/n of the result. What static and global-partition POP copy at prefill:
+    their kept channels lie anywhere in f, and XLA cannot keep a gather with prompt-dependent
+    ids local to the channel shards (it replicates ``w``; docs/scale_out.md).
+
+    w [..., F, ...] split in contiguous blocks along ``axis``; ids [k] (k a multiple of n; ids
+    ``UNOWNED`` give zero rows) -> [..., k, ...]. Without a mesh (or n = 1): ``jnp.take``."""
+    n = split_channels()
+    if n == 1:
+        return jnp.take(w, ids, axis=axis, mode="clip")
+    if w.shape[axis] % n or ids.shape[-1] % n:
+        raise ValueError(f"take_split: axis {axis} of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
+    block = w.shape[axis] // n
+    spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
+
+    def local(w_block, ids):
+        position = ids - jax.lax.axis_index(RULES["mlp"]) * block
+        mine = (position >= 0) & (position < block)
+        rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
+        rows = jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w.ndim) if i != axis)), rows, 0)
+        return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=axis, tiled=True)
+
+    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec)(w, ids)
+
+
+def pad_ids(ids: jax.Array) -> jax.Array:
+    """ids [k] -> [k'] padded with ``UNOWNED`` to a multiple of `split_channels` (k' = k without a mesh)."""
+    pad = -ids.shape[-1] % split_channels()
+    return jnp.pad(ids, (0, pad), constant_values=UNOWNED) if pad else ids
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

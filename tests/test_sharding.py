@@ -323,6 +323,26 @@ def _decode_step_hlo(model, method) -> str:
     return lowered.compile().as_text()
 
 
+def method_state_after_prefill(model, method) -> dict:
+    """The prefill's method states: bytes in all and held by one device, and the largest
+    all-gather of the compiled prefill (elements)."""
+    import jax
+
+    from popjax import engine, sharding
+    from popjax.generation import GenerationRequest
+
+    req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
+    carry, _ = req.start(model)
+    leaves = jax.tree_util.tree_leaves(carry.state.method_states)
+    with sharding.use_mesh(model):
+        hlo = engine.start.lower(model.graphdef, model.params, req.plan, req.tokens, req.mask, req.key, req.sampling,
+                                 jax.numpy.asarray(req.stops), jax.numpy.int32(req.pad_id),
+                                 capacity=req.capacity).compile().as_text()
+    return {"total": sum(a.nbytes for a in leaves),
+            "one_device": sum(a.addressable_shards[0].data.nbytes for a in leaves),
+            "prefill_largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0)}
+
+
 def restore_straight_into_shardings(cfg, tree, placed) -> dict:
     """``popjax.load(converted dir, mesh=(1, 8))``, unrolled and scanned, with host placement
     (``sharding.place``) forbidden: orbax must restore every tensor into its sharding. -> per
@@ -404,6 +424,8 @@ def worker(out_path: str, all_methods: bool = False) -> None:
             "largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0),
             "weight_threshold_elements": weight_elements,
         }
+    results["state_after_prefill"] = {name: method_state_after_prefill(sharded[(1, 8)], core_methods()[name])
+                              for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     results["restore"] = restore_straight_into_shardings(cfg, tree, sharded[(1, 8)])
     results["cpu_seconds"] = time.process_time() - start
     Path(out_path).write_text(json.dumps(results, indent=1))
@@ -455,6 +477,20 @@ def test_eight_devices_match_one_device(eight_devices):
         assert found["counts"]["all-to-all"] == 0, (name, found)
     per_shard = results["collectives"]["pop-per_shard"]
     assert per_shard["largest_all_gather"] < per_shard["weight_threshold_elements"], per_shard
+
+
+def test_eight_devices_compact_copies_are_split(eight_devices):
+    """Static and POP (global partition, shared or per sequence, and per shard) keep their
+    compact copies split over the model axis: one device of the (1, 8) mesh holds under a quarter
+    of the method state (the kept rows and the per-shard blocks are 1/8; POP's global candidate
+    down rows, replicated, are the rest), and the prefill that copies them never all-gathers an
+    FFN weight matrix (before base.copy_channels, per-sequence POP's prefill gathered all of
+    gate_up [2f, d] and [B, 2(n_R + n_C), d] blocks)."""
+    cfg = tiny_config()
+    threshold = cfg.hidden_size * cfg.intermediate_size  # the smallest FFN weight matrix, d·f
+    for name, found in eight_devices["state_after_prefill"].items():
+        assert found["one_device"] < found["total"] / 4, (name, found)
+        assert found["prefill_largest_all_gather"] < threshold, (name, found)
 
 
 def test_eight_devices_restore_into_shardings(eight_devices):

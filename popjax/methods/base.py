@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
+from ..sharding import pad_ids, take_split
 
 AGGREGATES = ("shared", "per_sequence")
 # Channel indices come from top_k over the channels themselves, so they are always in bounds.
@@ -126,6 +127,21 @@ def take_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
     """Compact gate/up rows of channels ``idx`` [n]: [2f, d] -> [2n, d] (gate rows, then up)."""
     f = gate_up.shape[0] // 2
     return take_channels(gate_up, jnp.concatenate([idx, idx + f]), axis=0)
+
+
+def copy_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
+    """Prefill's compact copy of channels ``idx`` [k] along ``axis``: a block every decode step
+    then reads whole. On a mesh it is split over the ``model`` axis like ``w`` (`take_split`:
+    no weight is gathered, each device keeps 1/n), padded with zero channels — which contribute
+    exactly 0 (silu(0)·0 = 0; zero down columns) — to k' = a multiple of n. Without a mesh k' = k
+    and this is ``take_channels``."""
+    return take_split(w, pad_ids(idx), axis)
+
+
+def copy_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
+    """`copy_channels` of gate/up rows: [2f, d] -> [2k', d] (gate rows of idx, then up rows)."""
+    ids, f = pad_ids(idx), gate_up.shape[0] // 2
+    return take_split(gate_up, jnp.concatenate([ids, ids + f]), axis=0)
 
 
 def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import RatioMethod, activations, down_proj, rank_channels, take_channels, take_gate_up
+from .base import RatioMethod, activations, copy_channels, copy_gate_up, down_proj, rank_channels
 from .static import StaticPlan
 
 
@@ -58,8 +58,8 @@ class GRIFFINPlan(StaticPlan):
         kept = rank_channels(scores)[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": take_gate_up(w["gate_up"], kept),  # [2 n_keep, d]
-            "down": take_channels(w["down"], kept, axis=1),  # [d, n_keep]
+            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2 n_keep', d] (n_keep' ≥ n_keep: copy_channels)
+            "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
         }
         return down_proj(h, w["down"]), state, {"importance": scores}
 

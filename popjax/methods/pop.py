@@ -13,8 +13,8 @@ by ``|H_t[c]| · ‖W_d[:, c]‖₂``, takes ``S_t = top_m`` with ``lax.top_k`` 
 ``y_t = H_t[R] W_d[R] + H_t[S_t] W_d[S_t]`` — exactly n_keep channels.
 
 Speed: the gate/up columns of R ∪ C and the down rows of R and of C are gathered once at
-prefill into the partition state; a decode step runs dense matmuls on those compact blocks and
-gathers only the m selected down rows. ``weights="gather"`` skips that copy (the state holds
+prefill into the partition state (on a mesh split over "model", base.copy_channels); a decode
+step runs dense matmuls on those compact blocks and gathers only the m selected down rows. ``weights="gather"`` skips that copy (the state holds
 channel ids only) and gathers the rows from the model's weights at every step instead.
 """
 
@@ -26,7 +26,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..sharding import constrain
+from ..sharding import constrain, pad_ids
 from .base import (
     IN_BOUNDS,
     TAKE_MODE,
@@ -36,6 +36,8 @@ from .base import (
     RatioMethod,
     activations,
     check_gamma,
+    copy_channels,
+    copy_gate_up,
     down_proj,
     kept_channels,
     prefill_importance,
@@ -83,12 +85,15 @@ class POPPlan(AggregatedPlan):
 
     @staticmethod
     def _blocks(w, retained, candidates):
-        """The compact weight blocks of a partition: gate/up rows of R ∪ C [2(n_R + n_C), d],
-        down columns of R [d, n_R] and down rows of C [n_C, d] (rows, so that a step gathers
-        its m selected channels contiguously)."""
+        """The compact weight blocks of a partition: gate/up rows of R ∪ C [2(n_R' + n_C)', d],
+        down columns of R [d, n_R'] and down rows of C [n_C, d] (rows, so that a step gathers
+        its m selected channels contiguously). On a mesh the first two are split over "model"
+        (`copy_channels`; R and then R ∪ C padded with zero channels to a multiple of the
+        split: n_R' ≥ n_R); C's down rows, which every step gathers from, stay replicated."""
+        retained = pad_ids(retained)
         return {
-            "gate_up": take_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
-            "down_retained": take_channels(w["down"], retained, axis=1),
+            "gate_up": copy_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
+            "down_retained": copy_channels(w["down"], retained, axis=1),
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,
         }
 
@@ -100,9 +105,10 @@ class POPPlan(AggregatedPlan):
             gate_up = take_gate_up(w["gate_up"], jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
         else:
             gate_up = state["gate_up"]
-        h = activations(gate_up, x)  # [B, 1, n_R + n_C]
-        h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
+        h = activations(gate_up, x)  # [B, 1, (n_R' + n_C)']
         down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
+        n_r = down_retained.shape[-1]  # n_R' (padded on a mesh, see _blocks)
+        h_retained, h_candidates = h[..., :n_r], h[..., n_r : n_r + self.n_candidates]
         y = down_proj(h_retained, down_retained)
         if self.m == 0:
             return y, state, {}

@@ -1,7 +1,8 @@
 """Static ablation (POP paper Table 6, variant 1; ≈ GRIFFIN with POP's metric; SPEC §2).
 
 The top n_keep channels by prefill importance are fixed for the whole generation; their
-gate/up rows and down columns are gathered once at prefill.
+gate/up rows and down columns are gathered once at prefill (on a mesh: split over "model",
+base.copy_channels).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from .base import AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, take_channels, take_gate_up
+from .base import AggregatedPlan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, score_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,8 @@ class StaticPlan(AggregatedPlan):
         kept = order[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": take_gate_up(w["gate_up"], kept),  # [2 n_keep, d]
-            "down": take_channels(w["down"], kept, axis=1),  # [d, n_keep]
+            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2 n_keep', d] (n_keep' ≥ n_keep: copy_channels)
+            "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
         }
         return y, state, {"importance": importance}
 
