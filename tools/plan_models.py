@@ -11,6 +11,8 @@ from popjax.sharding import make_mesh
 METHODS = {
     "dense": popjax.Dense(),
     "static 0.2": popjax.Static(0.2),
+    "POP 0.2 shared, global": popjax.POP(0.2),
+    "POP 0.2 per_sequence, global": popjax.POP(0.2, aggregate="per_sequence"),
     "POP 0.2 shared, per_shard": popjax.POP(0.2, partition="per_shard"),
     "POP 0.2 per_sequence, per_shard": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard"),
     "POP 0.2 per_sequence, per_shard, gather": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard", weights="gather"),

@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, take_channels, take_gate_up
+from .base import (DensePlan, Method, MethodError, Plan, activations, check_global_ratio, copy_channels, copy_gate_up,
+                   down_proj, kept_channels, take_channels)
 
 BATCH_AGGREGATES = ("max", "mean")
 SCHEDULES = ("periodic", "every_step")
@@ -79,8 +80,9 @@ def with_down_bias(w: dict[str, jax.Array], y: jax.Array) -> jax.Array:
 def kept_down_rows(w: dict[str, jax.Array], kept: jax.Array) -> jax.Array:
     """The kept channels' down weights as rows [k, d]. Rows, not the columns [d, k] of W_d: the
     block is rewritten inside the decode loop, and XLA lays a column gather out transposed,
-    which then costs a transposing copy at every pruned step (measured in the compiled HLO)."""
-    return take_channels(w["down"], kept, axis=1).T
+    which then costs a transposing copy at every pruned step (measured in the compiled HLO).
+    On a mesh the block is split over "model" and padded to [k', d] (`copy_channels`)."""
+    return copy_channels(w["down"], kept, axis=1).T
 
 
 def sample_sumsq(h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -144,8 +146,8 @@ class BWAPPlan(Plan):
             state.update(
                 sumsq=jnp.zeros_like(sumsq),  # [B, f] running Σ z² of the current exploration phase
                 count=jnp.zeros_like(count),  # [B] its valid tokens
-                gate_up=take_gate_up(w["gate_up"], kept),  # [2k, d]
-                down_rows=kept_down_rows(w, kept),  # [k, d]
+                gate_up=copy_gate_up(w["gate_up"], kept),  # [2k', d] (k' ≥ k on a mesh: copy_channels)
+                down_rows=kept_down_rows(w, kept),  # [k', d]
             )
         return with_down_bias(w, down_proj(h, w["down"])), state, {"score": s0}
 
@@ -173,7 +175,7 @@ class BWAPPlan(Plan):
                 "kept_idx": kept,
                 "sumsq": jnp.zeros_like(sumsq),
                 "count": jnp.zeros_like(count),
-                "gate_up": take_gate_up(w["gate_up"], kept),
+                "gate_up": copy_gate_up(w["gate_up"], kept),
                 "down_rows": kept_down_rows(w, kept),
             }
 
