@@ -1,8 +1,9 @@
-"""The fused layout: what converted checkpoints store (format 3) and the modules read.
+"""The fused layout: what converted checkpoints store (format 4) and the modules read.
 
-A source checkpoint (HF or GGUF) names q/k/v and gate/up apart. The modules read them fused
-along rows: ``attn.qkv`` = [q; k; v] ([q_dim + 2·kv_dim, d]), ``attn.qkv_bias`` likewise, and
-``mlp.gate_up`` = [gate; up] ([2f, d]); a MoE layer's FFN is its stacked blocks
+A source checkpoint (HF or GGUF) names q/k/v and gate/up apart. The modules read them fused:
+``attn.qkv`` = [q; k; v] along rows ([q_dim + 2·kv_dim, d]), ``attn.qkv_bias`` likewise, and
+``mlp.gate_up`` = gate and up stacked on a leading axis ([2, f, d], so that splitting f over a
+mesh leaves each device matching gate and up rows); a MoE layer's FFN is its stacked blocks
 (models/moe.py). Storing this layout means a load with a mesh restores every tensor straight
 into its sharding (orbax reads each device's block from disk; popjax.sharding.RULES), with no
 fusion on the host and no full copy anywhere first.
@@ -32,7 +33,7 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
         if cfg.moe is not None:  # stacked expert blocks (models/moe.py)
             fused_mlp = fuse_moe_layer(cfg, int(key), mlp)
         else:
-            fused_mlp = {"gate_up": np.concatenate([mlp["gate"], mlp["up"]], axis=0), "down": mlp["down"]}
+            fused_mlp = {"gate_up": np.stack([mlp["gate"], mlp["up"]]), "down": mlp["down"]}
         if "down_bias" in mlp:  # a FLAP-pruned checkpoint (popjax.pruned)
             fused_mlp["down_bias"] = mlp["down_bias"]
         out["layers"][str(key)] = {

@@ -3,9 +3,11 @@
 Weights keep the HF/PyTorch ``[out, in]`` layout and are applied as ``einsum("...i,oi->...o")``:
 on CPU, XLA's dot-product-form GEMV streams contiguous rows and measured 1.3–1.7× the
 bandwidth of the ``[in, out]`` form for this model's matrix sizes (see docs/performance.md).
-q/k/v and gate/up are fused into one matrix each, so a decode step runs fewer, larger dots.
+q/k/v and gate/up are fused into one array each, so a decode step runs fewer, larger dots.
 
-A FFN channel j is rows j and f + j of ``gate_up`` ([2f, d]) and column j of ``down`` ([d, f]).
+A FFN channel j is ``gate_up[0, j]`` (gate) and ``gate_up[1, j]`` (up) of ``gate_up`` ([2, f, d]:
+gate and up stacked on a leading axis, so splitting f over a mesh gives every device matching gate
+and up rows) and column j of ``down`` ([d, f]).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class MLPWeights(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
-        self.gate_up = _param((2 * f, d), dtype)  # gate rows, then up rows
+        self.gate_up = _param((2, f, d), dtype)  # [gate; up] on a leading axis
         self.down = _param((d, f), dtype)
         if cfg.down_proj_bias:  # FLAP's bias compensation (popjax.pruned)
             self.down_bias = _param((d,), dtype)
@@ -147,7 +149,7 @@ class MLPWeights(nnx.Module):
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=0))
 
     def as_dict(self) -> dict[str, jax.Array]:
-        """gate_up [2f, d]; down [d, f]; down_norm [f] fp32; down_bias [d] when the model has one."""
+        """gate_up [2, f, d]; down [d, f]; down_norm [f] fp32; down_bias [d] when the model has one."""
         out = {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
         if hasattr(self, "down_bias"):
             out["down_bias"] = self.down_bias[...]

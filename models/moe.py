@@ -2,7 +2,7 @@
 
 Every FFN of a MoE model is stored as a stack of *blocks* of the expert width ``f_e``:
 
-* ``experts``  [E] routed experts: ``gate_up [E, 2f_e, d]`` (gate rows, then up rows),
+* ``experts``  [E] routed experts: ``gate_up [E, 2, f_e, d]`` (gate and up stacked),
   ``down [E, d, f_e]``, ``down_norm [E, f_e]`` (‖W_d[:, j]‖₂, derived);
 * ``shared``   [n_s] always-active blocks: Qwen2-MoE's shared expert (width ``f_s``) split into
   ``n_s = ⌈f_s / f_e⌉`` blocks of f_e channels (the last zero-padded), or the whole FFN of a dense
@@ -145,11 +145,11 @@ def moe_from_hf(raw: Mapping[str, Any], model_type: str, n_layers: int) -> MoECo
 
 
 class ExpertStack(nnx.Module):
-    """n FFN blocks of width f: gate_up [n, 2f, d], down [n, d, f], down_norm [n, f] (derived),
+    """n FFN blocks of width f: gate_up [n, 2, f, d], down [n, d, f], down_norm [n, f] (derived),
     channel_order [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
 
     def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype):
-        self.gate_up = nnx.Param(jnp.zeros((n, 2 * f, d), dtype))
+        self.gate_up = nnx.Param(jnp.zeros((n, 2, f, d), dtype))
         self.down = nnx.Param(jnp.zeros((n, d, f), dtype))
         self.down_norm = Derived(jnp.zeros((n, f), jnp.float32))
         self.channel_order = Derived(jnp.zeros((n, f), jnp.int32))
@@ -213,7 +213,7 @@ def weight_only_score(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.
 def stack_blocks(gate: np.ndarray, up: np.ndarray, down: np.ndarray, f: int) -> dict[str, np.ndarray]:
     """One FFN ([w, d], [w, d], [d, w]) -> ⌈w/f⌉ blocks of f channels, each sorted by decreasing
     weight-only score (ties: lower HF id first; zero padding last):
-    {"gate_up": [n, 2f, d], "down": [n, d, f], "channel_order": [n, f] int32 (-1 = padding)}."""
+    {"gate_up": [n, 2, f, d], "down": [n, d, f], "channel_order": [n, f] int32 (-1 = padding)}."""
     w, d = gate.shape
     n = math.ceil(w / f)
     pad = n * f - w
@@ -225,7 +225,7 @@ def stack_blocks(gate: np.ndarray, up: np.ndarray, down: np.ndarray, f: int) -> 
     for b in range(n):
         score = weight_only_score(gate[b], up[b], down[b])
         order = np.lexsort((np.arange(f), -score))  # decreasing score, then increasing position
-        out["gate_up"].append(np.concatenate([gate[b][order], up[b][order]]))
+        out["gate_up"].append(np.stack([gate[b][order], up[b][order]]))
         out["down"].append(down[b][:, order])
         out["channel_order"].append(ids[b][order])
     return {k: np.stack(v).astype(np.int32 if k == "channel_order" else gate.dtype) for k, v in out.items()}

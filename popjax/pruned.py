@@ -67,8 +67,7 @@ def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
             b = attn.pop("qkv_bias")
             attn.update(q_bias=b[:q], k_bias=b[q : q + kv], v_bias=b[q + kv :])
         mlp = layer["mlp"]
-        f = mlp["gate_up"].shape[0] // 2
-        out_mlp = {"gate": mlp["gate_up"][:f], "up": mlp["gate_up"][f:], "down": mlp["down"]}
+        out_mlp = {"gate": mlp["gate_up"][0], "up": mlp["gate_up"][1], "down": mlp["down"]}
         if "down_bias" in mlp:
             out_mlp["down_bias"] = mlp["down_bias"]
         tree["layers"][key] = {**{k: v for k, v in layer.items() if k not in ("attn", "mlp")}, "attn": attn, "mlp": out_mlp}

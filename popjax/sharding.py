@@ -8,16 +8,12 @@ or ``"model"``) or to ``None`` (replicated). The same table gives the shardings 
 caches and states the engine creates (``constrain``, a no-op without an active mesh, so the
 single-device path compiles exactly as before).
 
-Fused matrices. ``attn.qkv`` ([q_dim + 2·kv_dim, d]) and ``mlp.gate_up`` ([2f, d], gate rows
-then up rows) keep the layout every method reads and are sharded as contiguous row blocks over
-``model``. A contiguous block of a gate-then-up matrix holds gate rows *or* up rows, so a device
-never holds a channel's gate and up row together; XLA pairs them by moving *activations*
-(collective-permutes of [B, T, f/n]) — never weights. Views that would colocate them
-(``[2, f, d]`` sharded on f, or rows interleaved per shard and un-interleaved for the methods)
-were measured to make XLA re-shard the weights with an all-to-all at every step (see
-docs/sharding.md), because every method reads ``gate_up`` as one ``[2f, d]`` matrix.
-POP's ``partition="per_shard"`` gathers its compact blocks through a ``[2, n, f/n, d]`` view whose
-blocks are exactly the devices' row blocks, so those gathers stay local. Compact copies of
+Fused arrays. ``mlp.gate_up`` is gate and up stacked on a leading axis, ``[2, f, d]``, split on
+f: every device holds the gate *and* up rows of the same f/n channels, so the SwiGLU product
+and every channel gather stay local (every method reads this layout; base.activations). POP's
+``partition="per_shard"`` gathers through a ``[2, n, f/n, d]`` view whose blocks are exactly the
+devices' blocks. ``attn.qkv`` ([q_dim + 2·kv_dim, d]) is split as contiguous row blocks: a
+device holds q, k or v rows, and XLA pairs heads by moving activations, never weights. Compact copies of
 channels that lie anywhere in f (static, global POP) are made by ``take_split``: local gathers
 and one reduce-scatter, the copy split over ``model`` like the weight it comes from.
 
@@ -54,7 +50,7 @@ RULES: dict[str, str | None] = {
     "qkv": "model",  # fused q/k/v rows (contiguous blocks; needs heads and kv_heads divisible)
     "kv": "model",  # fused k/v rows of a calibrated prefill projection
     "mlp": "model",  # FFN channels (down's columns, ‖W_d[:, j]‖₂)
-    "mlp_fused": "model",  # gate_up rows (gate rows then up rows, contiguous blocks)
+    "mlp_pair": None,  # the [2] (gate, up) axis of gate_up: both halves on every device
     "mlp_shard": "model",  # the [n_shards] axis of POP's per-shard partition state
     "norm": None,  # RMSNorm scales
     "experts": None,  # a MoE layer's expert blocks: replicated; each expert's channels split over "model"
@@ -73,14 +69,14 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"layers\.\d+\.attn\.(q_norm|k_norm)\.weight", ("head_dim",)),
     (r"layers\.\d+\.attn\.prefill_kv", ("kv", "embed")),
     (r"layers\.\d+\.attn\.prefill_kv_bias", ("kv",)),
-    (r"layers\.\d+\.mlp\.gate_up", ("mlp_fused", "embed")),
+    (r"layers\.\d+\.mlp\.gate_up", ("mlp_pair", "mlp", "embed")),
     (r"layers\.\d+\.mlp\.down", ("embed", "mlp")),
     (r"layers\.\d+\.mlp\.down_norm", ("mlp",)),
     (r"layers\.\d+\.mlp\.down_bias", ("embed",)),
     # MoE layers (models/moe.py): expert stacks [E, ...] of the routed and the shared experts
     (r"layers\.\d+\.mlp\.router", ("experts", "embed")),
     (r"layers\.\d+\.mlp\.shared_gate", (None, "embed")),
-    (r"layers\.\d+\.mlp\.(experts|shared)\.gate_up", ("experts", "mlp_fused", "embed")),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.gate_up", ("experts", "mlp_pair", "mlp", "embed")),
     (r"layers\.\d+\.mlp\.(experts|shared)\.down", ("experts", "embed", "mlp")),
     (r"layers\.\d+\.mlp\.(experts|shared)\.(down_norm|channel_order)", ("experts", "mlp")),
 )
@@ -292,8 +288,7 @@ def constrain_method_state(plan: Any, state: Any) -> Any:
 
 
 
-# An id no device owns: gathers of it give zero rows (padding of split compact copies). Negative
-# even after adding f, so gate/up row pairs (ids, ids + f) of a padding id stay unowned.
+# An id no device owns: gathers of it give zero rows (padding of split compact copies).
 UNOWNED = -(2**30)
 
 

@@ -49,7 +49,7 @@ def as_jax(W):
     """Math layout (gate/up [d, f], down [f, d]) -> popjax's layer dict (HF [out, in] layout)."""
     down = np.asarray(W["down"], np.float32)
     return {
-        "gate_up": jnp.asarray(np.concatenate([W["gate"].T, W["up"].T]), jnp.float32),
+        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
         "down": jnp.asarray(down.T),
         "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
     }

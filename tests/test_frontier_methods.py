@@ -104,7 +104,7 @@ def random_layer(rng, d, f):
 def as_jax(W, layer=0):
     down = np.asarray(W["down"], np.float32)
     return {
-        "gate_up": jnp.asarray(np.concatenate([W["gate"].T, W["up"].T]), jnp.float32),
+        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
         "down": jnp.asarray(down.T),
         "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
         "layer": jnp.int32(layer),
@@ -216,7 +216,7 @@ def test_gate_scored_reads_pops_bytes_at_twice_the_band():
 
 def lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate, layers=1):
     Ws = [W] * layers
-    factors = factors_from_weights([np.concatenate([w["gate"].T, w["up"].T]) for w in Ws], rank)
+    factors = factors_from_weights([np.stack([w["gate"].T, w["up"].T]) for w in Ws], rank)
     _, _, m = sizes(f, n_keep, gamma)
     return LowRankPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project, factors=factors), m
 
@@ -266,7 +266,7 @@ def test_lowrank_bad_rank_is_an_error_naming_it(rank):
             LowRankPOP(0.2, rank=rank)
     if rank == 17:
         with pytest.raises(MethodError, match="rank=17 exceeds min"):
-            factors_from_weights([np.concatenate([W["gate"].T, W["up"].T])], 17)
+            factors_from_weights([np.stack([W["gate"].T, W["up"].T])], 17)
 
 
 @pytest.mark.parametrize("name", ["pop-gate", "pop-lowrank"])
@@ -283,7 +283,7 @@ def test_lowrank_other_errors():
     with pytest.raises(MethodError, match="prepare"):
         LowRankPOP(0.2, rank=4).bind(tiny_config())
     W = random_layer(np.random.default_rng(0), D, 96)
-    factors = factors_from_weights([np.concatenate([W["gate"].T, W["up"].T])], 4)
+    factors = factors_from_weights([np.stack([W["gate"].T, W["up"].T])], 4)
     with pytest.raises(MethodError, match="do not fit"):
         LowRankPOP(0.2, rank=4, factors=factors).bind(tiny_config())  # 1 layer of factors, 3 layers
 

@@ -176,7 +176,7 @@ def test_unusable_cases_fail_with_clear_errors(models):
         popjax.WandaSP(0.2, selection=per_layer).bind(model.config)
     with pytest.raises(MethodError, match=r"drift has 1 entries, the model has 1 layers × 4 FFN block slots"):
         popjax.LayerBandsPOP(0.2).with_drift([0.1]).bind(model.config)
-    factors = popjax.methods.low_rank.factors_from_weights([np.ones((32, 32))], 4)  # one layer's, not per block
+    factors = popjax.methods.low_rank.factors_from_weights([np.ones((2, 16, 32))], 4)  # one layer's, not per block
     with pytest.raises(MethodError, match=r"do not fit this model \(layers × block slots, d, rank, f\) = \(4, 32, 4, 16\)"):
         popjax.LowRankPOP(0.2, rank=4, factors=factors).bind(model.config)
 

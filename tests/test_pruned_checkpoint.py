@@ -160,7 +160,7 @@ def test_pruned_checkpoint_reloads_with_the_online_logits(model, calibrated, nam
     assert reloaded.config == pruned.config
     for i, w in enumerate(widths):
         layer = _mlp(reloaded, i)
-        assert layer["gate_up"].shape == (2 * w, cfg.hidden_size) and layer["down"].shape == (cfg.hidden_size, w)
+        assert layer["gate_up"].shape == (2, w, cfg.hidden_size) and layer["down"].shape == (cfg.hidden_size, w)
 
     ids = _ids(model)
     online = np.asarray(popjax.forward(model, ids, method=method))

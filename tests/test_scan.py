@@ -180,7 +180,7 @@ def test_stacked_layout_and_stream(models):
     equals the unrolled model's tokens."""
     unrolled, scanned = models["llama"]
     pure = nnx.to_pure_dict(scanned.params)
-    assert "layers" not in pure and pure["layer_stack"]["mlp"]["gate_up"].shape == (2, 192, 64)
+    assert "layers" not in pure and pure["layer_stack"]["mlp"]["gate_up"].shape == (2, 2, 96, 64)
     # derived constants (‖W_d[:, j]‖₂) per layer equal the unrolled model's
     unrolled_pure = nnx.to_pure_dict(unrolled.params)
     for i in range(2):
@@ -216,8 +216,8 @@ def test_load_with_mesh_and_scan_layers(models, tmp_path):
     scanned = popjax.load(tmp_path / "model", mesh=mesh, scan_layers=True)
     assert scanned.mesh is mesh
     gate_up = nnx.to_pure_dict(scanned.params)["layer_stack"]["mlp"]["gate_up"]
-    assert gate_up.shape == (2, 192, 64) and gate_up.sharding.mesh.shape == mesh.shape
-    assert sharding.param_axes("layer_stack.mlp.gate_up") == ("layers", "mlp_fused", "embed")
+    assert gate_up.shape == (2, 2, 96, 64) and gate_up.sharding.mesh.shape == mesh.shape
+    assert sharding.param_axes("layer_stack.mlp.gate_up") == ("layers", "mlp_pair", "mlp", "embed")
     unrolled = models["llama"][0]  # the same random weights, unsharded
     method = METHODS["pop-shared"]
     run = lambda model: popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True, return_trace=True)

@@ -97,7 +97,7 @@ def test_abstract_params_carry_shardings_without_allocating():
     mesh = sharding.make_mesh((1, 1))
     state = sharding.abstract_params(tiny_config(), mesh)
     leaves = dict(sharding._walk(nnx.to_pure_dict(state)))
-    assert leaves["layers.1.mlp.gate_up"].shape == (512, 64)
+    assert leaves["layers.1.mlp.gate_up"].shape == (2, 256, 64)
     assert leaves["layers.1.mlp.gate_up"].sharding.mesh == mesh
 
 
@@ -111,7 +111,7 @@ def test_unknown_logical_axis_and_parameter_are_errors():
     with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.lora_a' has no logical axes"):
         sharding.param_axes("layers.0.mlp.lora_a")
     # MoE parameters have axes: expert stacks replicated, each expert's channels over "model"
-    assert sharding.param_axes("layers.3.mlp.experts.gate_up") == ("experts", "mlp_fused", "embed")
+    assert sharding.param_axes("layers.3.mlp.experts.gate_up") == ("experts", "mlp_pair", "mlp", "embed")
 
 
 def test_mesh_that_does_not_divide_the_model_is_an_error():
@@ -201,7 +201,7 @@ def test_pop_per_shard_matches_reference():
     keep, m = plan.n_keep // 4, plan.m
     d, f = 64, 64
     gate, up, down = (rng.normal(size=s) * 0.3 for s in ((f, d), (f, d), (d, f)))
-    w = {"gate_up": jnp.asarray(np.concatenate([gate, up]), jnp.float32), "down": jnp.asarray(down, jnp.float32)}
+    w = {"gate_up": jnp.asarray(np.stack([gate, up]), jnp.float32), "down": jnp.asarray(down, jnp.float32)}
     w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
     X = rng.normal(size=(2, 5, d))
     valid = np.ones((2, 5), bool)
@@ -229,7 +229,7 @@ def test_pop_per_shard_with_one_shard_is_global_pop():
     cfg = tiny_config(intermediate_size=64)
     one, glob = POP(0.3, partition="per_shard", shards=1).bind(cfg), POP(0.3).bind(cfg)
     assert (one.n_keep, one.m) == (glob.n_keep, glob.m)
-    w = {"gate_up": jnp.asarray(rng.normal(size=(128, 64)) * 0.3, jnp.float32),
+    w = {"gate_up": jnp.asarray(rng.normal(size=(2, 64, 64)) * 0.3, jnp.float32),
          "down": jnp.asarray(rng.normal(size=(64, 64)) * 0.3, jnp.float32)}
     w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
     x, valid = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32), jnp.ones((2, 4), bool)
@@ -420,8 +420,10 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     weight_elements = cfg.hidden_size * cfg.hidden_size
     split_copies = {name: core_methods()[name] for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
-    for name in ("dense", "static", "pop-shared", "pop-per_shard", "bwap"):
-        hlo = _decode_step_hlo(sharded[(1, 8)], split_copies.get(name) or core_methods()[name])
+    step_methods = {**core_methods(), **split_copies,
+                    "pop-per_shard-gather": popjax.POP(0.3, partition="per_shard", shards=8, weights="gather")}
+    for name in ("dense", "static", "pop-shared", "pop-per_shard", "bwap", "pop-per_shard-gather"):
+        hlo = _decode_step_hlo(sharded[(1, 8)], step_methods[name])
         results["collectives"][name] = {
             "counts": sharding.count_collectives(hlo),
             "largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0),
@@ -469,7 +471,8 @@ def test_eight_devices_other_methods(eight_devices):
 def test_eight_devices_match_one_device(eight_devices):
     """Dense, static and POP (shared, per sequence, per shard) give the log-probabilities and
     greedy choices of one device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step
-    moves no weights."""
+    moves no weights (nor do BWAP's, or per-shard POP's with weights="gather", which gathers
+    its rows from the model's [2, f, d] gate/up at every step: each shard from its own block)."""
     results = eight_devices
     print(json.dumps(results, indent=1))  # the collective counts, for docs/sharding.md (pytest -s)
     assert results["devices"] == 8
@@ -487,7 +490,7 @@ def test_eight_devices_compact_copies_are_split(eight_devices):
     of the method state (the kept rows and the per-shard blocks are 1/8; POP's global candidate
     down rows, replicated, are the rest), and the prefill that copies them never all-gathers an
     FFN weight matrix (before base.copy_channels, per-sequence POP's prefill gathered all of
-    gate_up [2f, d] and [B, 2(n_R + n_C), d] blocks)."""
+    gate_up and [B, 2, n_R + n_C, d] blocks)."""
     cfg = tiny_config()
     threshold = cfg.hidden_size * cfg.intermediate_size  # the smallest FFN weight matrix, d·f
     for name, found in eight_devices["state_after_prefill"].items():

@@ -235,8 +235,7 @@ class Survivors(Statistic):
     tg: tuple = ()
 
     def collect(self, w, x, valid, h):
-        f = h.shape[-1]
-        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][:f]))
+        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][0]))
         out = {"tokens": jnp.sum(valid)}
         for name, v, t in (("x", x, self.tx), ("h", h, self.th), ("gate", gate, self.tg)):
             above = jnp.abs(v) > jnp.asarray(t, jnp.float32)[w["layer"]]

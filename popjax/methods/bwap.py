@@ -23,10 +23,10 @@ tokens of z_t², and ``count [B]`` = number of those tokens; s_b = √(sumsq / c
 reset at every mask update. Samples with count 0 (stopped or padding rows) take no part in the
 aggregation; if none has a token, s̄ = 0 (mem unchanged).
 
-**Compact blocks**: the kept gate/up rows ``[2k, d]`` and down weights (as rows ``[k, d]``) are
+**Compact blocks**: the kept gate/up rows ``[2, k, d]`` and down weights (as rows ``[k, d]``) are
 gathered at prefill (from s₀) and at every update (inside the update branch of a ``lax.cond``,
 so other steps do no gather); pruned steps read only them. State per layer: ``memory [f]``,
-``kept_idx [k]``, ``sumsq [B, f]``, ``count [B]``, ``gate_up [2k, d]``, ``down_rows [k, d]``.
+``kept_idx [k]``, ``sumsq [B, f]``, ``count [B]``, ``gate_up [2, k, d]``, ``down_rows [k, d]``.
 
 **Budget**: ``ratio`` is the global ratio of SPEC §1 (k = n_keep); ``ffn_sparsity=ρ`` is the
 paper's target sparsity instead (k = ⌊(1 − ρ)·f⌋). ``ffn_weights_read`` is the average over
@@ -146,7 +146,7 @@ class BWAPPlan(Plan):
             state.update(
                 sumsq=jnp.zeros_like(sumsq),  # [B, f] running Σ z² of the current exploration phase
                 count=jnp.zeros_like(count),  # [B] its valid tokens
-                gate_up=copy_gate_up(w["gate_up"], kept),  # [2k', d] (k' ≥ k on a mesh: copy_channels)
+                gate_up=copy_gate_up(w["gate_up"], kept),  # [2, k', d] (k' ≥ k on a mesh: copy_channels)
                 down_rows=kept_down_rows(w, kept),  # [k', d]
             )
         return with_down_bias(w, down_proj(h, w["down"])), state, {"score": s0}

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import DensePlan, MethodError, Plan, activations, down_proj, kept_channels
+from .base import DensePlan, MethodError, Plan, activations, down_proj, gate_and_up, kept_channels
 from .bwap import with_down_bias
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
@@ -48,9 +48,8 @@ class CATSPlan(Plan):
         return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
-        gu = jnp.einsum("btd,nd->btn", x, w["gate_up"])
-        f = w["gate_up"].shape[0] // 2  # this layer's width
-        gate, up = jax.nn.silu(gu[..., :f]), gu[..., f:]
+        gate, up = gate_and_up(w["gate_up"], x)
+        gate = jax.nn.silu(gate)
         keep, density = threshold_keep(gate, valid, layer_threshold(self.thresholds, w["layer"], w.get("block")), self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))
         return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}

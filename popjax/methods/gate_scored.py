@@ -57,14 +57,15 @@ class GateScoredPlan(POPPlan):
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
-        n_r, n_c, f = self.n_retained, self.n_candidates, self.f
+        n_r, n_c = self.n_retained, self.n_candidates
         retained, candidates = order[:n_r], order[n_r : n_r + n_c]
-        rows = jnp.concatenate([retained, retained + f, candidates])  # gate R, up R, gate C
+        gate, up = w["gate_up"][0], w["gate_up"][1]  # [f, d] each
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            "step_rows": take_channels(w["gate_up"], rows, axis=0),  # [2 n_R + n_C, d]
-            "up_candidates": take_channels(w["gate_up"], candidates + f, axis=0),  # [n_C, d]
+            "step_rows": jnp.concatenate([take_channels(gate, retained, axis=0), take_channels(up, retained, axis=0),
+                                          take_channels(gate, candidates, axis=0)]),  # gate R, up R, gate C [2 n_R + n_C, d]
+            "up_candidates": take_channels(up, candidates, axis=0),  # [n_C, d]
             "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]

@@ -136,11 +136,9 @@ class LayerBandsPlan(AggregatedPlan):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], state, {"importance": [f], "drift": []})."""
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
         kept = order[: self.n_keep + self.m_max]
-        gate_up = take_gate_up(w["gate_up"], kept)  # [2n, d]
-        n = kept.shape[0]
         state = {
             "kept_idx": kept,  # [n_keep + m_max], by decreasing prompt importance
-            "gate_up": jnp.stack([gate_up[:n], gate_up[n:]], axis=1),  # [n, 2, d]
+            "gate_up": jnp.swapaxes(take_gate_up(w["gate_up"], kept), 0, 1),  # [n, 2, d]
             "down_rows": take_channels(w["down"], kept, axis=1).T,  # [n, d]
             "down_norm": take_channels(w["down_norm"], kept, axis=0),  # [n]
         }

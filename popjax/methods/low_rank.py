@@ -87,14 +87,14 @@ def check_rank(rank: int, d: int | None = None, f: int | None = None) -> None:
 
 
 def factors_from_weights(gate_ups: Sequence[np.ndarray], rank: int, key: str = "weights") -> LowRankFactors:
-    """Truncated SVDs (float64 NumPy) of each layer's gate and up rows: gate_ups L × [2f, d]."""
+    """Truncated SVDs (float64 NumPy) of each layer's gate and up rows: gate_ups L × [2, f, d]."""
     gate_ups = [np.asarray(g, np.float64) for g in gate_ups]
-    f, d = gate_ups[0].shape[0] // 2, gate_ups[0].shape[1]
+    f, d = gate_ups[0].shape[1:]
     check_rank(rank, d, f)
     inputs = np.zeros((len(gate_ups), 2, d, rank), np.float32)
     outputs = np.zeros((len(gate_ups), 2, rank, f), np.float32)
     for l, gate_up in enumerate(gate_ups):
-        for k, w in enumerate((gate_up[:f], gate_up[f:])):  # w [f, d] = U S Vᵀ
+        for k, w in enumerate(gate_up):  # gate, then up: w [f, d] = U S Vᵀ
             u, s, vt = np.linalg.svd(w, full_matrices=False)
             inputs[l, k] = vt[:rank].T
             outputs[l, k] = (u[:, :rank] * s[:rank]).T
@@ -157,16 +157,15 @@ class LowRankPlan(POPPlan):
         row = table_row(w, self.factors.blocks)  # the layer (a MoE model: the layer's block)
         inputs = jnp.asarray(self.factors.inputs)[row, :k]  # [k, d, r]
         outputs = jnp.asarray(self.factors.outputs)[row, :k]  # [k, r, f]
-        cand_gate_up = take_gate_up(w["gate_up"], candidates)  # [2 n_C, d]
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            "gate_up": take_gate_up(w["gate_up"], retained),  # [2 n_R, d]
+            "gate_up": take_gate_up(w["gate_up"], retained),  # [2, n_R, d]
             "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows
-            "gate_up_candidates": jnp.stack([cand_gate_up[:n_c], cand_gate_up[n_c:]], axis=1),  # [n_C, 2, d]
+            "gate_up_candidates": jnp.swapaxes(take_gate_up(w["gate_up"], candidates), 0, 1),  # [n_C, 2, d]
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }

@@ -85,7 +85,7 @@ class POPPlan(AggregatedPlan):
 
     @staticmethod
     def _blocks(w, retained, candidates):
-        """The compact weight blocks of a partition: gate/up rows of R ∪ C [2(n_R' + n_C)', d],
+        """The compact weight blocks of a partition: gate/up rows of R ∪ C [2, (n_R' + n_C)', d],
         down columns of R [d, n_R'] and down rows of C [n_C, d] (rows, so that a step gathers
         its m selected channels contiguously). On a mesh the first two are split over "model"
         (`copy_channels`; R and then R ∪ C padded with zero channels to a multiple of the

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from .base import (
     AggregatedPlan, MethodError, RatioMethod, masked_down, prefill_importance, rank_channels, round_half_up, step_importance,
-    take_channels,
+    gate_and_up, take_channels,
 )
 from .gate_scored import gate_scores
 
@@ -57,9 +57,8 @@ class ShortlistDynamicPlan(AggregatedPlan):
 
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], {"prior": [f]}, {"importance": [f]})."""
-        f = self.f
-        gu = jnp.einsum("btd,nd->btn", x, w["gate_up"])  # [B, T, 2f]
-        gate, up = jax.nn.silu(gu[..., :f]), gu[..., f:]
+        gate, up = gate_and_up(w["gate_up"], x)  # [B, T, f] each
+        gate = jax.nn.silu(gate)
         h = gate * up
         importance = prefill_importance(h, valid, w["down_norm"])
         y = masked_down(h, rank_channels(importance)[: self.n_keep], w["down"])
@@ -77,10 +76,9 @@ class ShortlistDynamicPlan(AggregatedPlan):
 
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [n_keep]})."""
-        f = self.f
-        g = jnp.einsum("bsd,nd->bsn", x, w["gate_up"][:f])  # [B, 1, f]
+        g = jnp.einsum("bsd,nd->bsn", x, w["gate_up"][0])  # [B, 1, f]
         shortlist = jax.lax.top_k(gate_scores(g, valid, state["prior"]), self.s)[1]  # channel ids [s]
-        up = jnp.einsum("bsd,nd->bsn", x, take_channels(w["gate_up"], shortlist + f, axis=0))
+        up = jnp.einsum("bsd,nd->bsn", x, take_channels(w["gate_up"][1], shortlist, axis=0))
         h = jax.nn.silu(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
         norms = take_channels(w["down_norm"], shortlist, axis=0)
         top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), self.n_keep)  # within the shortlist

@@ -22,7 +22,7 @@ class StaticPlan(AggregatedPlan):
         kept = order[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2 n_keep', d] (n_keep' ≥ n_keep: copy_channels)
+            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2, n_keep', d] (n_keep' ≥ n_keep: copy_channels)
             "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
         }
         return y, state, {"importance": importance}

@@ -74,8 +74,7 @@ class AbsHistograms(Statistic):
     version: ClassVar[int] = 1
 
     def collect(self, w, x, valid, h):
-        f = w["gate_up"].shape[0] // 2
-        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][:f]))
+        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][0]))
         return {"x": log_histogram(x, valid), "h": log_histogram(h, valid), "gate": log_histogram(gate, valid)}
 
 

@@ -105,7 +105,7 @@ class SelectionPlan(Plan):
         """x [B, T, d] -> (y [B, T, d], compact kept blocks, {}) — the prompt runs pruned too."""
         idx, mask, bias = self._tables(w)
         state = {
-            "gate_up": take_gate_up(w["gate_up"], idx),  # [2 n_max, d]
+            "gate_up": take_gate_up(w["gate_up"], idx),  # [2, n_max, d]
             "down": take_channels(w["down"], idx, axis=1) * mask.astype(w["down"].dtype),  # [d, n_max]
         }
         return self._apply(state, x, bias), state, {}
