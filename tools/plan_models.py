@@ -15,6 +15,7 @@ METHODS = {
     "POP 0.2 per_sequence, global": popjax.POP(0.2, aggregate="per_sequence"),
     "POP 0.2 shared, per_shard": popjax.POP(0.2, partition="per_shard"),
     "POP 0.2 per_sequence, per_shard": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard"),
+    "POP 0.2 shared, per_shard, gather": popjax.POP(0.2, partition="per_shard", weights="gather"),
     "POP 0.2 per_sequence, per_shard, gather": popjax.POP(0.2, aggregate="per_sequence", partition="per_shard", weights="gather"),
     "POP 0.2 shared, global, gather": popjax.POP(0.2, weights="gather"),
 }
