@@ -93,10 +93,11 @@ def gate_and_up(gate_up: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]
     """(x W_gᵀ, x W_uᵀ) in one dot: x [..., d], gate_up [2, n, d] -> ([..., n], [..., n]).
 
     Without a mesh the dot reads gate_up as the [2n, d] matrix it is in memory (a free
-    reshape): XLA:CPU lays a dot over a [2, n, d] operand out with a transposing copy of the
-    weights (7x slower for a decode GEMV, measured). On a mesh it contracts [2, n, d] directly:
-    the reshape would merge the split f axis with the (gate, up) axis, a layout XLA can only
-    reach by re-sharding the weights."""
+    reshape): XLA:CPU compiles dots over the [2, n, d] operand with transposes, of the weights
+    (output [..., 2, n]: 3x the bytes) or of the output (output [2, ..., n]: +34% time at
+    prefill); tools/gate_up_layout_bench.py. On a mesh it contracts [2, n, d] directly: the
+    reshape would merge the split f axis with the (gate, up) axis, a layout XLA can only reach
+    by re-sharding the weights."""
     if split_channels() > 1:
         gu = jnp.einsum("...d,gnd->g...n", x, gate_up)
         return gu[0], gu[1]
