@@ -295,6 +295,14 @@ def other_methods(model):
     out = {"dynamic": popjax.Dynamic(0.3), "griffin": popjax.GRIFFIN(0.3), "probe": popjax.ProbePruning(0.3),
            "bwap": popjax.BWAP(), "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3)}
     out["pop-shortlist"] = make_method("pop-shortlist", ratio=0.3, gamma=0.4)  # runs pop-gate's scoring too
+    if model is not None:  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
+        from popjax.methods.wanda_sp import ChannelSelection
+
+        cfg, rng = model.config, np.random.default_rng(5)
+        n_keep = popjax.WandaSP(0.3).n_keep(cfg)
+        kept = tuple(tuple(sorted(rng.choice(cfg.intermediate_size, n_keep, replace=False).tolist()))
+                     for _ in range(cfg.num_hidden_layers))
+        out["wanda_sp"] = popjax.WandaSP(0.3, selection=ChannelSelection("wanda_sp", 0.3, kept))
     return out
 
 
@@ -420,6 +428,7 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     weight_elements = cfg.hidden_size * cfg.hidden_size
     split_copies = {name: core_methods()[name] for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
+    split_copies["wanda_sp"] = other_methods(single)["wanda_sp"]
     step_methods = {**core_methods(), **split_copies,
                     "pop-per_shard-gather": popjax.POP(0.3, partition="per_shard", shards=8, weights="gather")}
     for name in ("dense", "static", "pop-shared", "pop-per_shard", "bwap", "pop-per_shard-gather"):
@@ -485,8 +494,8 @@ def test_eight_devices_match_one_device(eight_devices):
 
 
 def test_eight_devices_compact_copies_are_split(eight_devices):
-    """Static, POP (global partition, shared or per sequence, and per shard) and BWAP keep their
-    compact copies split over the model axis: one device of the (1, 8) mesh holds under a quarter
+    """Static, POP (global partition, shared or per sequence, and per shard), BWAP and Wanda-sp
+    keep their compact copies split over the model axis: one device of the (1, 8) mesh holds under a quarter
     of the method state (the kept rows and the per-shard blocks are 1/8; POP's global candidate
     down rows, replicated, are the rest), and the prefill that copies them never all-gathers an
     FFN weight matrix (before base.copy_channels, per-sequence POP's prefill gathered all of

@@ -44,7 +44,7 @@ from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_fil
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
-from .base import rank_channels, take_channels, take_gate_up
+from .base import copy_channels, copy_gate_up, rank_channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +104,9 @@ class SelectionPlan(Plan):
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], compact kept blocks, {}) — the prompt runs pruned too."""
         idx, mask, bias = self._tables(w)
-        state = {
-            "gate_up": take_gate_up(w["gate_up"], idx),  # [2, n_max, d]
-            "down": take_channels(w["down"], idx, axis=1) * mask.astype(w["down"].dtype),  # [d, n_max]
-        }
+        down = copy_channels(w["down"], idx, axis=1)  # [d, n_max'] (split over "model" on a mesh)
+        mask = jnp.pad(mask, (0, down.shape[1] - mask.shape[0]))  # padding channels are zeros already
+        state = {"gate_up": copy_gate_up(w["gate_up"], idx), "down": down * mask.astype(down.dtype)}  # [2, n_max', d]
         return self._apply(state, x, bias), state, {}
 
     def decode(self, w, state, x, step, valid):
