@@ -27,7 +27,8 @@ from ..models.config import ModelConfig
 from .fused import fuse_checkpoint
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 4  # 2: HF [out, in] layout; 3: fused q/k/v and gate/up rows; 4: gate/up stacked [2, f, d] (convert/fused.py)
+# 2: HF [out, in] layout; 3: fused q/k/v and gate/up rows; 4: gate/up stacked [2, f, d] (convert/fused.py)
+FORMAT_VERSION = 4
 MARKER = "popjax.json"
 
 

@@ -348,7 +348,8 @@ def method_state_after_prefill(model, method) -> dict:
                                  capacity=req.capacity).compile().as_text()
     return {"total": sum(a.nbytes for a in leaves),
             "one_device": sum(a.addressable_shards[0].data.nbytes for a in leaves),
-            "prefill_largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0)}
+            "prefill_largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")),
+                                              default=0)}
 
 
 def restore_straight_into_shardings(cfg, tree, placed) -> dict:
@@ -426,7 +427,8 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     # smaller than any FFN weight matrix or compact block (d·f, d·n_keep), larger than any
     # activation or logits row block ([B, V], [B, f]): an operand this size is weights moving
     weight_elements = cfg.hidden_size * cfg.hidden_size
-    split_copies = {name: core_methods()[name] for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
+    split_copies = {name: core_methods()[name]
+                    for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
     split_copies["wanda_sp"] = other_methods(single)["wanda_sp"]
     step_methods = {**core_methods(), **split_copies,

@@ -63,8 +63,9 @@ class GateScoredPlan(POPPlan):
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
+            # gate R, up R, gate C: [2 n_R + n_C, d]
             "step_rows": jnp.concatenate([take_channels(gate, retained, axis=0), take_channels(up, retained, axis=0),
-                                          take_channels(gate, candidates, axis=0)]),  # gate R, up R, gate C [2 n_R + n_C, d]
+                                          take_channels(gate, candidates, axis=0)]),
             "up_candidates": take_channels(up, candidates, axis=0),  # [n_C, d]
             "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]

@@ -14,8 +14,9 @@ by ``|H_t[c]| · ‖W_d[:, c]‖₂``, takes ``S_t = top_m`` with ``lax.top_k`` 
 
 Speed: the gate/up columns of R ∪ C and the down rows of R and of C are gathered once at
 prefill into the partition state (on a mesh split over "model", base.copy_channels); a decode
-step runs dense matmuls on those compact blocks and gathers only the m selected down rows. ``weights="gather"`` skips that copy (the state holds
-channel ids only) and gathers the rows from the model's weights at every step instead.
+step runs dense matmuls on those compact blocks and gathers only the m selected down rows.
+``weights="gather"`` skips that copy (the state holds channel ids only) and gathers the rows
+from the model's weights at every step instead.
 """
 
 from __future__ import annotations
