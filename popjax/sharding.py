@@ -13,9 +13,10 @@ f: every device holds the gate *and* up rows of the same f/n channels, so the Sw
 and every channel gather stay local (every method reads this layout; base.activations). POP's
 ``partition="per_shard"`` gathers through a ``[2, n, f/n, d]`` view whose blocks are exactly the
 devices' blocks. ``attn.qkv`` ([q_dim + 2·kv_dim, d]) is split as contiguous row blocks: a
-device holds q, k or v rows, and XLA pairs heads by moving activations, never weights. Compact copies of
-channels that lie anywhere in f (static, global POP) are made by ``take_split``: local gathers
-and one reduce-scatter, the copy split over ``model`` like the weight it comes from.
+device holds q, k or v rows, and XLA pairs heads by moving activations, never weights.
+Compact copies of channels that lie anywhere in f (static, global POP) are made by
+``take_split``: local gathers and one reduce-scatter, the copy split over ``model`` like the
+weight it comes from.
 
 Mesh axes: ``data`` (batch) × ``model`` (heads, FFN channels, vocabulary).
 """

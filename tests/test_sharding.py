@@ -331,25 +331,32 @@ def _decode_step_hlo(model, method) -> str:
     return lowered.compile().as_text()
 
 
+def largest_all_gather(hlo: str) -> int:
+    """Elements of the largest all-gather in compiled HLO text (0 without one)."""
+    from popjax import sharding
+
+    return max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0)
+
+
 def method_state_after_prefill(model, method) -> dict:
     """The prefill's method states: bytes in all and held by one device, and the largest
-    all-gather of the compiled prefill (elements)."""
+    all-gather of the compiled prefill (elements). The prefill runs from the executable whose
+    HLO is read, so it compiles once."""
     import jax
+    import jax.numpy as jnp
 
     from popjax import engine, sharding
     from popjax.generation import GenerationRequest
 
     req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
-    carry, _ = req.start(model)
-    leaves = jax.tree_util.tree_leaves(carry.state.method_states)
     with sharding.use_mesh(model):
-        hlo = engine.start.lower(model.graphdef, model.params, req.plan, req.tokens, req.mask, req.key, req.sampling,
-                                 jax.numpy.asarray(req.stops), jax.numpy.int32(req.pad_id),
-                                 capacity=req.capacity).compile().as_text()
+        args = (req.tokens, req.mask, req.key, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
+        compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity).compile()
+        carry, _ = compiled(model.params, *args)
+    leaves = jax.tree_util.tree_leaves(carry.state.method_states)
     return {"total": sum(a.nbytes for a in leaves),
             "one_device": sum(a.addressable_shards[0].data.nbytes for a in leaves),
-            "prefill_largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")),
-                                              default=0)}
+            "prefill_largest_all_gather": largest_all_gather(compiled.as_text())}
 
 
 def restore_straight_into_shardings(cfg, tree, placed) -> dict:
@@ -437,7 +444,7 @@ def worker(out_path: str, all_methods: bool = False) -> None:
         hlo = _decode_step_hlo(sharded[(1, 8)], step_methods[name])
         results["collectives"][name] = {
             "counts": sharding.count_collectives(hlo),
-            "largest_all_gather": max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0),
+            "largest_all_gather": largest_all_gather(hlo),
             "weight_threshold_elements": weight_elements,
         }
     results["state_after_prefill"] = {name: method_state_after_prefill(sharded[(1, 8)], method)
