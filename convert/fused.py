@@ -1,7 +1,9 @@
-"""The fused layout: what converted checkpoints store (format 4) and the modules read.
+"""The fused layout: what converted checkpoints store (format 5) and the modules read.
 
 A source checkpoint (HF or GGUF) names q/k/v and gate/up apart. The modules read them fused:
-``attn.qkv`` = [q; k; v] along rows ([q_dim + 2·kv_dim, d]), ``attn.qkv_bias`` likewise, and
+``attn.qkv`` = q/k/v grouped by KV head ([n_kv, g + 2, h, d]: each KV group's g query heads, its
+key head, its value head; so splitting n_kv over a mesh keeps whole groups on one device),
+``attn.qkv_bias`` likewise ([n_kv, g + 2, h]), and
 ``mlp.gate_up`` = gate and up stacked on a leading axis ([2, f, d], so that splitting f over a
 mesh leaves each device matching gate and up rows); a MoE layer's FFN is its stacked blocks
 (models/moe.py). Storing this layout means a load with a mesh restores every tensor straight
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.layers import fuse_qkv
 from ..models.moe import fuse_layer as fuse_moe_layer
 
 
@@ -26,9 +29,9 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
     out["layers"] = {}
     for key, layer in tree["layers"].items():
         attn = dict(layer["attn"])
-        fused_attn = {"qkv": np.concatenate([attn.pop("q"), attn.pop("k"), attn.pop("v")], axis=0)}
+        fused_attn = {"qkv": fuse_qkv(attn.pop("q"), attn.pop("k"), attn.pop("v"), cfg)}
         if cfg.qkv_bias:
-            fused_attn["qkv_bias"] = np.concatenate([attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias")])
+            fused_attn["qkv_bias"] = fuse_qkv(attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias"), cfg)
         mlp = layer["mlp"]
         if cfg.moe is not None:  # stacked expert blocks (models/moe.py)
             fused_mlp = fuse_moe_layer(cfg, int(key), mlp)

@@ -27,8 +27,9 @@ from ..models.config import ModelConfig
 from .fused import fuse_checkpoint
 
 log = logging.getLogger(__name__)
-# 2: HF [out, in] layout; 3: fused q/k/v and gate/up rows; 4: gate/up stacked [2, f, d] (convert/fused.py)
-FORMAT_VERSION = 4
+# 2: HF [out, in] layout; 3: fused q/k/v and gate/up rows; 4: gate/up stacked [2, f, d];
+# 5: q/k/v grouped by KV head [n_kv, g + 2, h, d] (convert/fused.py)
+FORMAT_VERSION = 5
 MARKER = "popjax.json"
 
 

@@ -5,6 +5,11 @@ on CPU, XLA's dot-product-form GEMV streams contiguous rows and measured 1.3–1
 bandwidth of the ``[in, out]`` form for this model's matrix sizes (see docs/performance.md).
 q/k/v and gate/up are fused into one array each, so a decode step runs fewer, larger dots.
 
+q/k/v are grouped by KV head: ``qkv`` is [n_kv, g + 2, h, d] (g = n_q / n_kv query heads, then the
+group's key head, then its value head), so splitting n_kv over a mesh gives every device the
+query, key and value heads of the same KV groups and attention needs no communication. Without a
+mesh it is read as the [n_kv·(g+2)·h, d] matrix it is in memory: one dot, as before.
+
 A FFN channel j is ``gate_up[0, j]`` (gate) and ``gate_up[1, j]`` (up) of ``gate_up`` ([2, f, d]:
 gate and up stacked on a leading axis, so splitting f over a mesh gives every device matching gate
 and up rows) and column j of ``down`` ([d, f]).
@@ -16,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
@@ -56,29 +62,58 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
+def fuse_qkv(q, k, v, cfg: ModelConfig):
+    """HF q [q_dim, ...], k, v [kv_dim, ...] (numpy; weights or biases) -> [n_kv, g + 2, h, ...]."""
+    n_kv, h = cfg.num_key_value_heads, cfg.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(n_kv, cfg.num_attention_heads // n_kv, h, *rest)  # query head i·g + j uses KV head i
+    return np.concatenate([q, k.reshape(n_kv, 1, h, *rest), v.reshape(n_kv, 1, h, *rest)], axis=1)
+
+
+def split_qkv(qkv, cfg: ModelConfig):
+    """The inverse of `fuse_qkv`: [n_kv, g + 2, h, ...] -> q [q_dim, ...], k, v [kv_dim, ...]."""
+    g, rest = qkv.shape[1] - 2, qkv.shape[3:]
+    return (qkv[:, :g].reshape(cfg.q_dim, *rest), qkv[:, g].reshape(cfg.kv_dim, *rest),
+            qkv[:, g + 1].reshape(cfg.kv_dim, *rest))
+
+
+def group_kv(kv_rows, cfg: ModelConfig):
+    """k rows then v rows [2·kv_dim, ...] (a calibration's layout) -> [n_kv, 2, h, ...] (qkv's)."""
+    n_kv, h = cfg.num_key_value_heads, cfg.head_dim
+    grouped = kv_rows.reshape(2, n_kv, h, *kv_rows.shape[1:])
+    return grouped.transpose(1, 0, *range(2, grouped.ndim))
+
+
 class Attention(nnx.Module):
     """Grouped-query attention; q is reshaped to (kv_heads, group) so K/V are never repeated."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
         d = cfg.hidden_size
         self.cfg = cfg
-        self.qkv = _param((cfg.q_dim + 2 * cfg.kv_dim, d), dtype)  # q, k, v rows stacked
+        n_kv, h = cfg.num_key_value_heads, cfg.head_dim
+        parts = cfg.num_attention_heads // n_kv + 2  # a KV group's query heads, its key, its value
+        self.qkv = _param((n_kv, parts, h, d), dtype)
         self.o = _param((d, cfg.q_dim), dtype)
         if cfg.qkv_bias:
-            self.qkv_bias = _param((cfg.q_dim + 2 * cfg.kv_dim,), dtype)
+            self.qkv_bias = _param((n_kv, parts, h), dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]."""
-        cfg = self.cfg
-        qkv = linear(x, self.qkv[...])
-        if cfg.qkv_bias:
-            qkv = qkv + self.qkv_bias[...]
-        q, k, v = jnp.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
-        shape = (*x.shape[:2], -1, cfg.head_dim)
-        return q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        y = _grouped_linear(x, self.qkv[...], self.qkv_bias[...] if self.cfg.qkv_bias else None)
+        g = y.shape[3] - 2
+        return y[:, :, :, :g].reshape(*x.shape[:2], -1, y.shape[-1]), y[:, :, :, g], y[:, :, :, g + 1]
+
+    def kv_rows(self) -> tuple[jax.Array, jax.Array | None]:
+        """The k rows then the v rows of ``qkv`` [2·kv_dim, d] and of ``qkv_bias`` [2·kv_dim] (None
+        without a bias): the layout KV calibrations are fitted and stored in."""
+        _, k, v = split_qkv(self.qkv[...], self.cfg)
+        if not self.cfg.qkv_bias:
+            return jnp.concatenate([k, v]), None
+        _, kb, vb = split_qkv(self.qkv_bias[...], self.cfg)
+        return jnp.concatenate([k, v]), jnp.concatenate([kb, vb])
 
     def project_kv(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, weights: jax.Array | None = None, bias: jax.Array | None = None
@@ -86,16 +121,16 @@ class Attention(nnx.Module):
         """Keys and values alone (RoPE'd keys), x [B, T, d] -> KVCache [B, T, n_kv, h]: what a
         layer skipped in prefill still writes (Prefill-Only Pruning's independent KV projection).
 
-        ``weights`` [2·kv_dim, d] (k rows, then v rows) replace the k/v rows of ``qkv`` and
-        ``bias`` [2·kv_dim] those of ``qkv_bias`` (calibrated projections, popjax.kv_calibration)."""
+        ``weights`` [n_kv, 2, h, d] (each KV head's k and v, `group_kv`) replace the k/v parts of
+        ``qkv`` and ``bias`` [n_kv, 2, h] those of ``qkv_bias`` (calibrated projections,
+        popjax.kv_calibration)."""
         cfg = self.cfg
-        w = self.qkv[...][cfg.q_dim :] if weights is None else weights
-        kv = linear(x, w)
-        if cfg.qkv_bias:
-            kv = kv + (self.qkv_bias[...][cfg.q_dim :] if bias is None else bias)
-        k, v = jnp.split(kv, 2, axis=-1)
-        shape = (*x.shape[:2], -1, cfg.head_dim)
-        k, v = k.reshape(shape), v.reshape(shape)
+        g = cfg.num_attention_heads // cfg.num_key_value_heads
+        w = self.qkv[...][:, g:] if weights is None else weights
+        if cfg.qkv_bias and bias is None:
+            bias = self.qkv_bias[...][:, g:]
+        kv = _grouped_linear(x, w, bias if cfg.qkv_bias else None)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
         if cfg.qk_norm:
             k = self.k_norm(k)
         return KVCache(apply_rope(k, cos, sin), v)
@@ -128,6 +163,16 @@ class Attention(nnx.Module):
             new_cache = KVCache(keys, values)
             out = cached_attention(q, keys, values, key_valid, write_index)
         return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.o[...]), new_cache
+
+
+def _grouped_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """x [B, T, d] with w [n_kv, p, h, d] (bias [n_kv, p, h]) -> [B, T, n_kv, p, h].
+
+    One dot over w read as its [n_kv·p·h, d] matrix: the merged rows keep n_kv outermost, so on a
+    mesh that splits n_kv each device's rows stay its own KV groups (no weight moves)."""
+    n_kv, p, h, d = w.shape
+    y = linear(x, w.reshape(n_kv * p * h, d)).reshape(*x.shape[:2], n_kv, p, h)
+    return y if bias is None else y + bias
 
 
 class MLPWeights(nnx.Module):

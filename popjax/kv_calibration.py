@@ -26,7 +26,8 @@ qkv bias, the bias is fitted too, as an extra input column of ones):
   (after ``o``) for later, decode-time queries, weight decay pulling toward ``W``.
 
 The fitted projections live in the model's params (plans are static): `with_prefill_kv` adds
-``attn.prefill_kv`` [2·kv_dim, d] (and ``prefill_kv_bias``) to the skipped layers, and
+``attn.prefill_kv`` [n_kv, 2, h, d] (qkv's grouped layout) and ``prefill_kv_bias`` to the skipped
+layers, and
 ``PrefillOnly(kv="calibrated")`` then projects their prefill K/V with it::
 
     cal = calibrate_kv(model, skip=0.5)                 # fitted once, then read from the cache
@@ -52,6 +53,7 @@ from .calibration import DEFAULT_TOKENS, DEFAULT_WINDOW, Corpus, default_corpus,
 from .engine import positions_from_mask
 from .loading import LoadedModel
 from .methods import Dense, MethodError, PrefillOnly
+from .models.layers import group_kv
 from .models.rope import rope_cos_sin
 
 log = logging.getLogger(__name__)
@@ -184,10 +186,10 @@ def original_kv(model: LoadedModel, skip: tuple[int, ...]) -> dict[int, np.ndarr
     module = nnx.merge(model.graphdef, model.params)
     cfg, out = model.config, {}
     for l in skip:
-        attn = module.layers[l].attn
-        w = np.asarray(attn.qkv[...][cfg.q_dim :], np.float64)
+        rows, bias = module.layers[l].attn.kv_rows()
+        w = np.asarray(rows, np.float64)
         if cfg.qkv_bias:
-            w = np.concatenate([w, np.asarray(attn.qkv_bias[...][cfg.q_dim :], np.float64)[:, None]], axis=1)
+            w = np.concatenate([w, np.asarray(bias, np.float64)[:, None]], axis=1)
         out[l] = w
     return out
 
@@ -337,7 +339,7 @@ def without_prefill_kv(model: LoadedModel) -> LoadedModel:
 
 
 def with_prefill_kv(model: LoadedModel, calibration: KVCalibration, check_model: bool = True) -> LoadedModel:
-    """A model whose skipped layers carry ``attn.prefill_kv`` [2·kv_dim, d] (and
+    """A model whose skipped layers carry ``attn.prefill_kv`` [n_kv, 2, h, d] (and
     ``prefill_kv_bias``) from ``calibration``, plus the static ``attn.prefill_kv_skip`` (the skip
     set they were fitted for) that ``PrefillOnly(kv="calibrated")`` checks. Any earlier
     calibration is replaced. ``check_model``: refuse a calibration made for other weights."""
@@ -355,9 +357,9 @@ def with_prefill_kv(model: LoadedModel, calibration: KVCalibration, check_model:
     dtype = module.layers[0].attn.qkv[...].dtype
     for l in calibration.skip:
         attn = module.layers[l].attn
-        attn.prefill_kv = nnx.Param(jnp.asarray(calibration.weights[l], dtype))
+        attn.prefill_kv = nnx.Param(jnp.asarray(group_kv(calibration.weights[l], model.config), dtype))
         if model.config.qkv_bias:
-            attn.prefill_kv_bias = nnx.Param(jnp.asarray(calibration.biases[l], dtype))
+            attn.prefill_kv_bias = nnx.Param(jnp.asarray(group_kv(calibration.biases[l], model.config), dtype))
         attn.prefill_kv_skip = tuple(calibration.skip)
     graphdef, params = nnx.split(module)
     return dataclasses.replace(base, graphdef=graphdef, params=params)

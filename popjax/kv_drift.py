@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from .kv_calibration import KVCalibration, window_batches, calibration_corpus, layer_streams, resolve_skip, without_prefill_kv
+from .models.layers import group_kv
 from .kv_training import full_qkv, later_query_output
 
 QUANTITIES = ("hidden", "k", "v", "attn")
@@ -61,7 +62,8 @@ def _drift_sums(graphdef, params, tokens, valid, skip, prefix, weights, biases):
         zs = layer.attn_norm(s)[:, :prefix]
         variants = {"": {}}
         if weights is not None:
-            variants["_cal"] = {"weights": weights[i], "bias": None if biases is None else biases[i]}
+            variants["_cal"] = {"weights": group_kv(weights[i], model.cfg),
+                                "bias": None if biases is None else group_kv(biases[i], model.cfg)}
         add("hidden", _cos(s[:, :prefix], f[:, :prefix]), early)
         for suffix, options in variants.items():
             kv = layer.attn.project_kv(zs, pc, ps, **options)

@@ -31,6 +31,7 @@ from flax import nnx
 from .calibration import Corpus
 from .kv_calibration import KVCalibrationError, window_batches, layer_streams, original_kv
 from .models.attention import MASKED
+from .models.layers import group_kv
 from .models.rope import apply_rope
 
 DEFAULT_TOKENS = 4096
@@ -102,8 +103,9 @@ def _loss(delta, graphdef, params, data, skip):
     later_valid = data["valid"][:, data["valid"].shape[1] - data["q"].shape[2] :, None]
     for i, l in enumerate(skip):
         attn = model.layers[l].attn
-        w = attn.qkv[...][cfg.q_dim :].astype(jnp.float32) + delta["w"][i]
-        b = attn.qkv_bias[...][cfg.q_dim :].astype(jnp.float32) + delta["b"][i] if cfg.qkv_bias else None
+        rows, bias_rows = attn.kv_rows()
+        w = group_kv(rows.astype(jnp.float32) + delta["w"][i], cfg)
+        b = group_kv(bias_rows.astype(jnp.float32) + delta["b"][i], cfg) if cfg.qkv_bias else None
         kv = attn.project_kv(data["z"][i].astype(jnp.float32), data["cos"], data["sin"], weights=w, bias=b)
         k = jnp.concatenate([kv.k, data["k"][i].astype(jnp.float32)], axis=1)
         v = jnp.concatenate([kv.v, data["v"][i].astype(jnp.float32)], axis=1)

@@ -39,6 +39,7 @@ from flax import nnx
 from .calibration import Corpus
 from .convert.store import write_converted
 from .loading import LoadedModel, build_model
+from .models.layers import split_qkv
 from .methods.base import MethodError
 from .methods.wanda_sp import CalibratedPruning, ChannelSelection
 
@@ -58,14 +59,11 @@ def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
     pure = _numpy(nnx.to_pure_dict(model.params))
     tree = {k: v for k, v in pure.items() if k != "layers"}
     tree["layers"] = {}
-    q, kv = cfg.q_dim, cfg.kv_dim
     for key, layer in pure["layers"].items():
         attn = dict(layer["attn"])
-        qkv = attn.pop("qkv")
-        attn.update(q=qkv[:q], k=qkv[q : q + kv], v=qkv[q + kv :])
+        attn.update(zip(("q", "k", "v"), split_qkv(attn.pop("qkv"), cfg)))
         if "qkv_bias" in attn:
-            b = attn.pop("qkv_bias")
-            attn.update(q_bias=b[:q], k_bias=b[q : q + kv], v_bias=b[q + kv :])
+            attn.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(attn.pop("qkv_bias"), cfg)))
         mlp = layer["mlp"]
         out_mlp = {"gate": mlp["gate_up"][0], "up": mlp["gate_up"][1], "down": mlp["down"]}
         if "down_bias" in mlp:

@@ -12,8 +12,9 @@ Fused arrays. ``mlp.gate_up`` is gate and up stacked on a leading axis, ``[2, f,
 f: every device holds the gate *and* up rows of the same f/n channels, so the SwiGLU product
 and every channel gather stay local (every method reads this layout; base.activations). POP's
 ``partition="per_shard"`` gathers through a ``[2, n, f/n, d]`` view whose blocks are exactly the
-devices' blocks. ``attn.qkv`` ([q_dim + 2·kv_dim, d]) is split as contiguous row blocks: a
-device holds q, k or v rows, and XLA pairs heads by moving activations, never weights.
+devices' blocks. ``attn.qkv`` is grouped by KV head, ``[n_kv, g + 2, h, d]`` (models/layers.py),
+split on n_kv: every device holds the query, key and value heads of its own KV groups, the
+cache's heads and o's columns of the same groups, so attention runs without communication.
 Compact copies of channels that lie anywhere in f (static, global POP) are made by
 ``take_split``: local gathers and one reduce-scatter, the copy split over ``model`` like the
 weight it comes from.
@@ -48,8 +49,7 @@ RULES: dict[str, str | None] = {
     "heads": "model",  # query heads (o's input columns)
     "kv_heads": "model",  # KV heads of the caches
     "head_dim": None,
-    "qkv": "model",  # fused q/k/v rows (contiguous blocks; needs heads and kv_heads divisible)
-    "kv": "model",  # fused k/v rows of a calibrated prefill projection
+    "qkv_part": None,  # qkv's [g + 2] axis (a KV group's query heads, key, value): all on the group's device
     "mlp": "model",  # FFN channels (down's columns, ‖W_d[:, j]‖₂)
     "mlp_pair": None,  # the [2] (gate, up) axis of gate_up: both halves on every device
     "mlp_shard": "model",  # the [n_shards] axis of POP's per-shard partition state
@@ -64,12 +64,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"lm_head", ("vocab", "embed")),
     (r"final_norm\.weight", ("norm",)),
     (r"layers\.\d+\.(attn_norm|mlp_norm)\.weight", ("norm",)),
-    (r"layers\.\d+\.attn\.qkv", ("qkv", "embed")),
-    (r"layers\.\d+\.attn\.qkv_bias", ("qkv",)),
+    (r"layers\.\d+\.attn\.qkv", ("kv_heads", "qkv_part", "head_dim", "embed")),
+    (r"layers\.\d+\.attn\.qkv_bias", ("kv_heads", "qkv_part", "head_dim")),
     (r"layers\.\d+\.attn\.o", ("embed", "heads")),
     (r"layers\.\d+\.attn\.(q_norm|k_norm)\.weight", ("head_dim",)),
-    (r"layers\.\d+\.attn\.prefill_kv", ("kv", "embed")),
-    (r"layers\.\d+\.attn\.prefill_kv_bias", ("kv",)),
+    (r"layers\.\d+\.attn\.prefill_kv", ("kv_heads", "qkv_part", "head_dim", "embed")),
+    (r"layers\.\d+\.attn\.prefill_kv_bias", ("kv_heads", "qkv_part", "head_dim")),
     (r"layers\.\d+\.mlp\.gate_up", ("mlp_pair", "mlp", "embed")),
     (r"layers\.\d+\.mlp\.down", ("embed", "mlp")),
     (r"layers\.\d+\.mlp\.down_norm", ("mlp",)),
@@ -325,6 +325,33 @@ def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=axis, tiled=True)
 
     return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec)(w, ids)
+
+
+def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of ``w`` [P, F, ...] read as its [P·F, ...] matrix, ids ``p·F + c`` [k] (k a multiple
+    of n; negative ids give zero rows) -> [k, ...] split over the ``mlp`` mesh axis along rows,
+    with ``w`` split along F: `take_split` for a block mixing parts, e.g. the gate rows of one
+    channel set with the up rows of another out of ``gate_up`` [2, f, d] (gate-scored POP).
+    Without a mesh: a gather from the free [P·F, ...] reshape."""
+    n = split_channels()
+    P, F = w.shape[:2]
+    if n == 1:
+        return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="clip")
+    if F % n or ids.shape[-1] % n:
+        raise ValueError(f"take_split_rows: axis 1 of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
+    block = F // n
+    spec = PartitionSpec(None, RULES["mlp"], *[None] * (w.ndim - 2))
+
+    def local(w_block, ids):
+        part = jnp.clip(ids // F, 0, P - 1)
+        position = ids - part * F - jax.lax.axis_index(RULES["mlp"]) * block
+        mine = (ids >= 0) & (position >= 0) & (position < block)
+        rows = w_block[part, jnp.clip(position, 0, block - 1)]
+        rows = jnp.where(mine.reshape(-1, *[1] * (w.ndim - 2)), rows, 0)
+        return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=0, tiled=True)
+
+    out_spec = PartitionSpec(RULES["mlp"], *[None] * (w.ndim - 2))
+    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=out_spec)(w, ids)
 
 
 def pad_ids(ids: jax.Array) -> jax.Array:

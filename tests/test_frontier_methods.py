@@ -362,7 +362,8 @@ def test_layer_bands_match_reference_per_layer(aggregate):
         W = random_layer(rng, D, f)
         X, valid = random_batch(rng, D, [6, 3], T=6)
         state = run_and_compare(plan, W, X, valid, aggregate, m_l, ref_pop_step, layer=layer, seed=layer)
-        assert state["gate_up"].shape[-3:] == (n_keep + max(bands), 2, D)  # the same for every layer
+        assert state["band_gate_up"].shape[-3:] == (2 * max(bands), 2, D)  # the same for every layer
+        assert state["core_gate_up"].shape[-3:] == (2, n_keep - max(bands), D)
 
 
 def ref_pop_step(W, R, C, x, m):

@@ -243,8 +243,8 @@ def test_non_identical_layers_are_refused():
     # a layer with a parameter the others lack (e.g. a calibrated prefill KV projection)
     built = build_model(cfg, random_tree(cfg), None, "t", "float32")
     model = nnx.merge(built.graphdef, built.params)
-    model.layers[1].attn.prefill_kv = nnx.Param(jnp.zeros((2 * cfg.kv_dim, cfg.hidden_size)))
-    with pytest.raises(ValueError, match=r"layer 1's attn.prefill_kv is \(\(64, 64\), 'float32'\) but layer 0's is absent"):
+    model.layers[1].attn.prefill_kv = nnx.Param(jnp.zeros((cfg.num_key_value_heads, 2, cfg.head_dim, cfg.hidden_size)))
+    with pytest.raises(ValueError, match=r"layer 1's attn.prefill_kv is \(\(2, 2, 16, 64\), 'float32'\) but layer 0's is absent"):
         scan_layers(model)
 
 

@@ -89,6 +89,28 @@ def test_every_parameter_has_logical_axes_of_its_rank():
     assert sharding.partition_spec(sharding.CACHE_AXES, {"data": 1, "model": 1}) == P(None, None, None, None)
 
 
+def test_qkv_is_grouped_by_kv_head():
+    """``attn.qkv`` [n_kv, g + 2, h, d]: KV group i holds query heads i·g … i·g + g − 1 (the heads
+    that attend with KV head i), then key head i, then value head i; `split_qkv` inverts it and
+    `group_kv` maps a calibration's k-then-v rows onto the group's last two parts."""
+    from popjax.models.layers import fuse_qkv, group_kv, split_qkv
+
+    cfg = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=3, hidden_size=5)
+    g, h, rng = 3, 3, np.random.default_rng(0)
+    for rest in ((5,), ()):  # weights [rows, d] and biases [rows]
+        q, k, v = (rng.normal(size=(n * h, *rest)) for n in (6, 2, 2))
+        qkv = fuse_qkv(q, k, v, cfg)
+        assert qkv.shape == (2, g + 2, h, *rest)
+        for i in range(2):
+            for j in range(g):
+                np.testing.assert_array_equal(qkv[i, j], q[(i * g + j) * h : (i * g + j + 1) * h])
+            np.testing.assert_array_equal(qkv[i, g], k[i * h : (i + 1) * h])
+            np.testing.assert_array_equal(qkv[i, g + 1], v[i * h : (i + 1) * h])
+        for got, want in zip(split_qkv(qkv, cfg), (q, k, v)):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(group_kv(np.concatenate([k, v]), cfg), qkv[:, g:])
+
+
 def test_abstract_params_carry_shardings_without_allocating():
     from flax import nnx
 
@@ -286,16 +308,19 @@ def core_methods():
 
 
 def other_methods(model):
-    """The other registered methods that run without calibration data (calibrated methods and
-    the layer-band allocation are left to the slow run: their calibration passes cost more than
-    this whole worker)."""
+    """The other registered methods that run without calibration data (Wanda-sp from a hand-made
+    selection, the layer bands from a given drift; FLAP and the calibrated KV are left to the
+    slow run: their calibration passes cost more than this whole worker)."""
     import popjax
     from popjax.methods import make_method
 
     out = {"dynamic": popjax.Dynamic(0.3), "griffin": popjax.GRIFFIN(0.3), "probe": popjax.ProbePruning(0.3),
            "bwap": popjax.BWAP(), "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3)}
     out["pop-shortlist"] = make_method("pop-shortlist", ratio=0.3, gamma=0.4)  # runs pop-gate's scoring too
-    if model is not None:  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
+    out["pop-gate"] = make_method("pop-gate", ratio=0.3, gamma=0.2)
+    out["pop-bands"] = popjax.LayerBandsPOP(0.3, gamma=0.2).with_drift([0.1, 0.9])  # bands from a given drift
+    if model is not None:
+        out["pop-lowrank"] = popjax.LowRankPOP(0.3, gamma=0.2, rank=8)  # its SVD factors: seconds on this model  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
         from popjax.methods.wanda_sp import ChannelSelection
 
         cfg, rng = model.config, np.random.default_rng(5)
@@ -353,9 +378,14 @@ def method_state_after_prefill(model, method) -> dict:
         args = (req.tokens, req.mask, req.key, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
         compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity).compile()
         carry, _ = compiled(model.params, *args)
-    leaves = jax.tree_util.tree_leaves(carry.state.method_states)
-    return {"total": sum(a.nbytes for a in leaves),
-            "one_device": sum(a.addressable_shards[0].data.nbytes for a in leaves),
+    leaves = jax.tree_util.tree_leaves_with_path(carry.state.method_states)
+    one_device = lambda a: a.addressable_shards[0].data.nbytes
+    replicated = [(path[-1].key, a) for path, a in leaves if one_device(a) == a.nbytes]
+    return {"total": sum(a.nbytes for _, a in leaves),
+            "one_device": sum(one_device(a) for _, a in leaves),
+            "replicated_bytes": sum(a.nbytes for _, a in replicated),
+            # weight copies: leaves with a hidden-size (d) axis
+            "replicated_weights": sorted({name for name, a in replicated if model.config.hidden_size in a.shape}),
             "prefill_largest_all_gather": largest_all_gather(compiled.as_text())}
 
 
@@ -437,7 +467,9 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     split_copies = {name: core_methods()[name]
                     for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
-    split_copies["wanda_sp"] = other_methods(single)["wanda_sp"]
+    others = other_methods(single)
+    split_copies.update({name: others[name] for name in ("wanda_sp", "pop-gate", "pop-bands")})
+    split_copies["pop-lowrank"] = others["pop-lowrank"].prepare(single)
     step_methods = {**core_methods(), **split_copies,
                     "pop-per_shard-gather": popjax.POP(0.3, partition="per_shard", shards=8, weights="gather")}
     for name in ("dense", "static", "pop-shared", "pop-per_shard", "bwap", "pop-per_shard-gather"):
@@ -489,7 +521,8 @@ def test_eight_devices_other_methods(eight_devices):
 def test_eight_devices_match_one_device(eight_devices):
     """Dense, static and POP (shared, per sequence, per shard) give the log-probabilities and
     greedy choices of one device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step
-    moves no weights (nor do BWAP's, or per-shard POP's with weights="gather", which gathers
+    moves no weights and, but for the global partition's scores, no activations between devices
+    (nor do BWAP's, or per-shard POP's with weights="gather", which gathers
     its rows from the model's [2, f, d] gate/up at every step: each shard from its own block)."""
     results = eight_devices
     print(json.dumps(results, indent=1))  # the collective counts, for docs/sharding.md (pytest -s)
@@ -500,19 +533,35 @@ def test_eight_devices_match_one_device(eight_devices):
     for name, found in results["collectives"].items():
         assert found["counts"]["all-to-all"] == 0, (name, found)
         assert found["largest_all_gather"] < found["weight_threshold_elements"], (name, found)
+        if name != "pop-shared":  # q/k/v grouped by KV head: attention moves nothing between devices;
+            # only the global partition's candidate selection (pop-shared) permutes scores
+            assert found["counts"]["collective-permute"] == 0, (name, found)
+
+
+# Replicated by design: rows every decode step gathers its selection from (by positions that differ
+# per step) and the low-rank scoring factors.
+CANDIDATE_ROWS = {"down_candidates", "up_candidates", "gate_up_candidates", "band_gate_up", "band_down_rows",
+                  "score_in", "score_out"}
+# candidate rows (pop-gate: up and down, 2·n_C·d) and scoring factors outweigh their split blocks here
+CANDIDATE_HEAVY = {"pop-gate", "pop-lowrank"}
 
 
 def test_eight_devices_compact_copies_are_split(eight_devices):
-    """Static, POP (global partition, shared or per sequence, and per shard), BWAP and Wanda-sp
-    keep their compact copies split over the model axis: one device of the (1, 8) mesh holds under a quarter
-    of the method state (the kept rows and the per-shard blocks are 1/8; POP's global candidate
-    down rows, replicated, are the rest), and the prefill that copies them never all-gathers an
+    """Static, POP (global partition, shared or per sequence, and per shard), BWAP, Wanda-sp and
+    POP's variants (gate-scored, low-rank, layer bands) keep their compact copies split over the
+    model axis: one device of the (1, 8) mesh holds under a quarter of the method state (the kept
+    rows and the per-shard blocks are 1/8; candidate rows that every step gathers from, replicated,
+    are the rest), and the prefill that copies them never all-gathers an
     FFN weight matrix (before base.copy_channels, per-sequence POP's prefill gathered all of
     gate_up and [B, 2, n_R + n_C, d] blocks)."""
     cfg = tiny_config()
     threshold = cfg.hidden_size * cfg.intermediate_size  # the smallest FFN weight matrix, d·f
     for name, found in eight_devices["state_after_prefill"].items():
-        assert found["one_device"] < found["total"] / 4, (name, found)
+        assert found["one_device"] < found["total"] / 4 or name in CANDIDATE_HEAVY, (name, found)
+        # every other leaf is split 8 ways exactly (padded to a multiple of 8 channels)
+        split = found["total"] - found["replicated_bytes"]
+        assert 8 * (found["one_device"] - found["replicated_bytes"]) == split, (name, found)
+        assert set(found["replicated_weights"]) <= CANDIDATE_ROWS, (name, found)
         assert found["prefill_largest_all_gather"] < threshold, (name, found)
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from ..sharding import pad_ids, split_channels, take_split
+from ..sharding import pad_ids, split_channels, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
 # Channel indices come from top_k over the channels themselves, so they are always in bounds.
@@ -156,6 +156,13 @@ def copy_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
 def copy_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
     """`copy_channels` of gate/up rows: [2, f, d] -> [2, k', d]."""
     return copy_channels(gate_up, idx, axis=1)
+
+
+def copy_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """`copy_channels` of a block mixing parts of ``w`` [P, f, d] (e.g. gate rows of one channel
+    set and up rows of another): ids ``p·f + c`` [k] (negative: a zero row) -> [k', d], split
+    over ``model`` on a mesh and padded with zero rows to k' (a multiple of the split)."""
+    return take_split_rows(w, pad_ids(ids))
 
 
 def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array:

@@ -20,8 +20,10 @@ n_keep = f/2 and γ = 1) it is dynamic selection by the gate score.
 
 The prompt's own output is POP's (top n_keep channels by prompt importance). The compact blocks
 are gathered once at prefill: one ``[2n_R + n_C, d]`` block (gate and up rows of R, gate rows of
-C) for one dense matmul per step, and the candidates' up rows and down columns as row blocks
-``[n_C, d]`` from which a step gathers its m selected rows.
+C) for one dense matmul per step and R's down columns, both split over ``model`` on a mesh
+(base.copy_rows / copy_channels, R padded with zero channels to a multiple of the split), and the
+candidates' up rows and down columns as row blocks ``[n_C, d]`` from which a step gathers its m
+selected rows (replicated, as POP's candidate down rows).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import MethodError, down_proj, prefill_importance, score_prompt, take_channels
+from ..sharding import pad_ids
+from .base import MethodError, copy_channels, copy_rows, down_proj, prefill_importance, score_prompt, take_channels
 from .pop import POP, POPPlan
 
 
@@ -59,29 +62,33 @@ class GateScoredPlan(POPPlan):
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
         n_r, n_c = self.n_retained, self.n_candidates
         retained, candidates = order[:n_r], order[n_r : n_r + n_c]
-        gate, up = w["gate_up"][0], w["gate_up"][1]  # [f, d] each
+        f = w["gate_up"].shape[1]
+        padded = pad_ids(retained)  # n_R' ≥ n_R: a multiple of the mesh's split (zero channels)
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            # gate R, up R, gate C: [2 n_R + n_C, d]
-            "step_rows": jnp.concatenate([take_channels(gate, retained, axis=0), take_channels(up, retained, axis=0),
-                                          take_channels(gate, candidates, axis=0)]),
-            "up_candidates": take_channels(up, candidates, axis=0),  # [n_C, d]
-            "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
+            # gate R', up R', gate C of gate_up read as [2f, d] (ids p·f + c): [(2 n_R' + n_C)', d]
+            "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, jnp.where(padded >= 0, f + padded, -1), candidates])),
+            "up_candidates": take_channels(w["gate_up"][1], candidates, axis=0),  # [n_C, d]
+            "down_retained": copy_channels(w["down"], padded, axis=1),  # [d, n_R']
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }
         return y, state, {"importance": importance}
 
+    def _step_rows(self, state, x):
+        """The step's one dot over ``step_rows``: x [B, 1, d] -> (H of R' [B, 1, n_R'], the gate
+        pre-activations of C [B, 1, n_C]); n_R' = n_R without a mesh (see _prefill)."""
+        n_r = state["down_retained"].shape[-1]
+        z = jnp.einsum("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, (2 n_R' + n_C)']
+        return jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r], z[..., 2 * n_r : 2 * n_r + self.n_candidates]
+
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
-        n_r = self.n_retained
-        z = jnp.einsum("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, 2 n_R + n_C]
-        h_retained = jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r]
+        h_retained, g = self._step_rows(state, x)  # g: gate pre-activations of the candidates
         y = down_proj(h_retained, state["down_retained"])
         if self.m == 0:
             return y, state, {}
-        g = z[..., 2 * n_r :]  # gate pre-activations of the candidates [B, 1, n_C]
         scores = gate_scores(g, valid, state["down_norm_candidates"])
         top_scores, selected = jax.lax.top_k(scores, self.m)  # positions within C
         up = jnp.einsum("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))

@@ -23,10 +23,13 @@ corpus (each window is one prompt; popjax.calibration, cached) and fixes the ban
 The prompt's own drift is still reported as the prefill aux ``drift``.
 
 **Static shapes.** The state holds the top ``n_keep + m_max`` channels (m_max = widest band),
-their gate/up rows ``[n, 2, d]`` and down rows ``[n, d]``, ordered by prefill rank. Decode runs
-``lax.switch`` over one branch per distinct width; branch m_l reads the static prefix of
-``n_keep + m_l`` rows (R = first n_keep − m_l, C = next 2m_l) and top-k's inside its band. The
-switch index is a per-layer constant (from ``w["layer"]``), so each layer executes one branch.
+ordered by prefill rank: the first ``n_keep − m_max`` (retained in every branch) as gate/up
+``[2, n, d]`` and down ``[d, n]`` blocks that one dot per step reads whole (split over ``model``
+on a mesh, base.copy_channels), and the next ``2·m_max`` (the band zone) as gate/up rows
+``[2m_max, 2, d]`` and down rows ``[2m_max, d]``. Decode runs ``lax.switch`` over one branch per
+distinct width; branch m_l reads the static prefix of ``m_max + m_l`` band-zone rows (retained:
+the first m_max − m_l; candidates: the next 2m_l) and top-k's inside its band. The switch index
+is a per-layer constant (from ``w["layer"]``), so each layer executes one branch.
 
 **Mixture-of-experts models** (docs/moe.md): every FFN block is a unit of the allocation — its
 drift measured on the calibration tokens routed to it (all tokens for a shared-expert or
@@ -48,8 +51,10 @@ from ..loading import unrolled
 from ..calibration import Statistic, calibrate
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_gamma, down_proj
-from .base import kept_channels, prefill_importance, round_half_up, score_prompt, take_channels, take_gate_up
+from .base import (
+    AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_gamma, copy_channels, copy_gate_up,
+    down_proj, kept_channels, prefill_importance, round_half_up, score_prompt, take_channels, take_gate_up,
+)
 
 DEFAULT_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 
@@ -135,31 +140,42 @@ class LayerBandsPlan(AggregatedPlan):
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], state, {"importance": [f], "drift": []})."""
         y, order, importance = score_prompt(w, x, valid, self.n_keep)
+        n_core = self.n_keep - self.m_max
         kept = order[: self.n_keep + self.m_max]
+        core, band = kept[:n_core], kept[n_core:]
         state = {
             "kept_idx": kept,  # [n_keep + m_max], by decreasing prompt importance
-            "gate_up": jnp.swapaxes(take_gate_up(w["gate_up"], kept), 0, 1),  # [n, 2, d]
-            "down_rows": take_channels(w["down"], kept, axis=1).T,  # [n, d]
-            "down_norm": take_channels(w["down_norm"], kept, axis=0),  # [n]
+            # retained in every branch: split over "model" on a mesh (zero channels pad to n_core')
+            "core_gate_up": copy_gate_up(w["gate_up"], core),  # [2, n_core', d]
+            "core_down": copy_channels(w["down"], core, axis=1),  # [d, n_core']
+            # the widest band's zone: retained or candidate by branch, gathered from per step
+            "band_gate_up": jnp.swapaxes(take_gate_up(w["gate_up"], band), 0, 1),  # [2 m_max, 2, d]
+            "band_down_rows": take_channels(w["down"], band, axis=1).T,  # [2 m_max, d]
+            "band_down_norm": take_channels(w["down_norm"], band, axis=0),  # [2 m_max]
         }
         h = activations(w["gate_up"], x)  # XLA shares it with score_prompt's
         return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w["down_norm"], self.n_keep)}
 
     def _branch(self, m_l: int):
-        """The decode of a layer whose band selects m_l of 2·m_l candidates."""
+        """The band part of the decode of a layer that selects m_l of 2·m_l candidates: the band
+        zone's first m_max − m_l rows are retained, the next 2·m_l its candidates."""
 
         def run(state, x, valid):
-            n_r, rows = self.n_keep - m_l, self.n_keep + m_l
-            gu = jnp.einsum("bsd,nkd->bsnk", x, state["gate_up"][:rows])  # static prefix only
-            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
-            y = h[..., :n_r] @ state["down_rows"][:n_r]
+            n_r, rows = self.m_max - m_l, self.m_max + m_l  # within the band zone
+            y = jnp.zeros_like(x)
             selected = jnp.full((self.m_max,), -1, jnp.int32)
+            if rows == 0:
+                return y, {"band": jnp.int32(m_l), "selected": selected}
+            gu = jnp.einsum("bsd,nkd->bsnk", x, state["band_gate_up"][:rows])  # static prefix only
+            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
+            y = h[..., :n_r] @ state["band_down_rows"][:n_r]
             if m_l:
                 h_c = h[..., n_r:]
-                scores = prefill_importance(h_c, valid, state["down_norm"][n_r:rows])
+                scores = prefill_importance(h_c, valid, state["band_down_norm"][n_r:rows])
                 pick = jax.lax.top_k(scores, m_l)[1]
-                y = y + take_channels(h_c, pick, axis=-1) @ take_channels(state["down_rows"][n_r:rows], pick, axis=0)
-                selected = selected.at[:m_l].set(take_channels(state["kept_idx"][n_r:rows], pick, axis=0))
+                y = y + take_channels(h_c, pick, axis=-1) @ take_channels(state["band_down_rows"][n_r:rows], pick, axis=0)
+                band_ids = state["kept_idx"][self.n_keep - self.m_max :]
+                selected = selected.at[:m_l].set(take_channels(band_ids[n_r:rows], pick, axis=0))
             return y, {"band": jnp.int32(m_l), "selected": selected}
 
         return run
@@ -169,7 +185,7 @@ class LayerBandsPlan(AggregatedPlan):
         widths = self.widths
         level = jnp.asarray([widths.index(b) for b in self.bands], jnp.int32)[table_row(w, self.blocks)]
         y, aux = jax.lax.switch(level, [self._branch(m_l) for m_l in widths], state, x, valid)
-        return y, state, aux
+        return y + down_proj(activations(state["core_gate_up"], x), state["core_down"]), state, aux
 
     def _counted(self) -> tuple[int, ...]:
         """The bands of the rows that hold an FFN (all of them in a dense model)."""

@@ -43,7 +43,10 @@ import numpy as np
 from ..loading import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import MethodError, Plan, activations, down_proj, prefill_importance, score_prompt, take_channels, take_gate_up
+from .base import (
+    MethodError, Plan, activations, copy_channels, copy_gate_up, down_proj, prefill_importance, score_prompt, take_channels,
+    take_gate_up,
+)
 from .gate_scored import check_global_partition
 from .pop import POP, POPPlan
 
@@ -160,8 +163,9 @@ class LowRankPlan(POPPlan):
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            "gate_up": take_gate_up(w["gate_up"], retained),  # [2, n_R, d]
-            "down_retained": take_channels(w["down"], retained, axis=1),  # [d, n_R]
+            # split over "model" on a mesh, padded with zero channels to n_R' (base.copy_channels)
+            "gate_up": copy_gate_up(w["gate_up"], retained),  # [2, n_R', d]
+            "down_retained": copy_channels(w["down"], retained, axis=1),  # [d, n_R']
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows

@@ -70,12 +70,10 @@ class ShortlistPlan(GateScoredPlan):
 
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], state (unchanged), {"selected", "scores": [m]})."""
-        n_r = self.n_retained
-        z = jnp.einsum("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, 2 n_R + n_C]
-        y = down_proj(jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r], state["down_retained"])
+        h_retained, g = self._step_rows(state, x)  # g: gate pre-activations of the candidates
+        y = down_proj(h_retained, state["down_retained"])
         if self.m == 0:
             return y, state, {}
-        g = z[..., 2 * n_r :]  # gate pre-activations of the candidates [B, 1, n_C]
         weight = state["shortlist_weight"] if self.prior == "up" else state["down_norm_candidates"]
         shortlist = jax.lax.top_k(gate_scores(g, valid, weight), self.s)[1]  # [s] within C
         up = jnp.einsum("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
