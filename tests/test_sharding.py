@@ -308,19 +308,25 @@ def core_methods():
 
 
 def other_methods(model):
-    """The other registered methods that run without calibration data (Wanda-sp from a hand-made
-    selection, the layer bands from a given drift; FLAP and the calibrated KV are left to the
-    slow run: their calibration passes cost more than this whole worker)."""
+    """Every other registered method: those that need calibration data calibrated on random
+    tokens (TEAL, CATS, FLAP), given their selection (Wanda-sp) or their drift (the layer
+    bands), or prepared (the low-rank POP's SVD factors). Only methods with a model."""
     import popjax
     from popjax.methods import make_method
 
     out = {"dynamic": popjax.Dynamic(0.3), "griffin": popjax.GRIFFIN(0.3), "probe": popjax.ProbePruning(0.3),
            "bwap": popjax.BWAP(), "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3)}
     out["pop-shortlist"] = make_method("pop-shortlist", ratio=0.3, gamma=0.4)  # runs pop-gate's scoring too
+    out["dynamic-shortlist"] = make_method("dynamic-shortlist", ratio=0.3)
     out["pop-gate"] = make_method("pop-gate", ratio=0.3, gamma=0.2)
     out["pop-bands"] = popjax.LayerBandsPOP(0.3, gamma=0.2).with_drift([0.1, 0.9])  # bands from a given drift
-    if model is not None:
-        out["pop-lowrank"] = popjax.LowRankPOP(0.3, gamma=0.2, rank=8)  # its SVD factors: seconds on this model  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
+    if model is not None:  # calibrated for real, on random tokens (seconds on this model; not cached)
+        from popjax.calibration import Corpus
+
+        out["pop-lowrank"] = popjax.LowRankPOP(0.3, gamma=0.2, rank=8)  # its SVD factors
+        corpus = Corpus("random", np.random.default_rng(6).integers(0, model.config.vocab_size, (4, 32)))
+        for name, method in (("teal", popjax.TEAL(0.3)), ("cats", popjax.CATS(0.3)), ("flap", popjax.FLAP(0.3))):
+            out[name] = method.calibrate(model, corpus, cache=False)  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
         from popjax.methods.wanda_sp import ChannelSelection
 
         cfg, rng = model.config, np.random.default_rng(5)
@@ -446,7 +452,9 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     results = {"devices": len(jax.devices()), "methods": {}, "collectives": {}, "generate": {}}
     runs = [(name, m, MESHES) for name, m in core_methods().items()]
     if all_methods:
-        runs += [(name, m.prepare(single), ((2, 4),)) for name, m in other_methods(single).items()]
+        runs += [(name, m.prepare(single), MESHES) for name, m in other_methods(single).items()]
+    # registry names covered (a composite counts for its FFN method too)
+    results["registry_names"] = sorted({n for _, m, _ in runs for n in (m.name, getattr(getattr(m, "mlp_method", None), "name", m.name))})
     targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
     for name, method, meshes in runs:
         plan = method.bind(cfg)
@@ -513,8 +521,14 @@ def eight_devices(tmp_path_factory) -> dict:
 
 
 def test_eight_devices_other_methods(eight_devices):
-    """The other registered methods that need no calibration, on the (2, 4) mesh."""
+    """Every registered method (calibrated ones on random tokens) matches one device on meshes
+    (8, 1), (1, 8) and (2, 4): log-probabilities within 1e-5, the same greedy choices."""
+    from popjax.methods import METHODS
+
     assert set(other_methods(None)) <= set(eight_devices["methods"])
+    assert set(METHODS) <= set(eight_devices["registry_names"]), sorted(set(METHODS) - set(eight_devices["registry_names"]))
+    for name, entry in eight_devices["methods"].items():
+        assert set(entry) == {str(shape) for shape in MESHES}, (name, entry)
     check_methods(eight_devices)
 
 
