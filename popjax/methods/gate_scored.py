@@ -64,11 +64,12 @@ class GateScoredPlan(POPPlan):
         retained, candidates = order[:n_r], order[n_r : n_r + n_c]
         f = w["gate_up"].shape[1]
         padded = pad_ids(retained)  # n_R' ≥ n_R: a multiple of the mesh's split (zero channels)
+        up_padded = jnp.where(padded >= 0, f + padded, -1)  # up row c of gate_up read as [2f, d] is f + c
         state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
-            # gate R', up R', gate C of gate_up read as [2f, d] (ids p·f + c): [(2 n_R' + n_C)', d]
-            "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, jnp.where(padded >= 0, f + padded, -1), candidates])),
+            # gate R', up R', gate C: [(2 n_R' + n_C)', d]
+            "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, up_padded, candidates])),
             "up_candidates": take_channels(w["gate_up"][1], candidates, axis=0),  # [n_C, d]
             "down_retained": copy_channels(w["down"], padded, axis=1),  # [d, n_R']
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
