@@ -168,11 +168,13 @@ def check_batch(rows: int, mesh) -> None:
                          f"use a batch size that is a multiple of {data}")
 
 
-def _walk(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def param_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, leaf) of every leaf of a pure-dict params tree (``nnx.to_pure_dict``), in the
+    form `param_axes` reads (e.g. ``layers.3.mlp.down``)."""
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            yield from _walk(value, name + ".")
+            yield from param_paths(value, name + ".")
         else:
             yield name, value
 

@@ -76,7 +76,7 @@ def test_every_parameter_has_logical_axes_of_its_rank():
 
     for cfg in (tiny_config(), tiny_config(model_type="qwen3", qk_norm=True, tie_word_embeddings=True)):
         model = build_model(cfg, random_tree(cfg), None, "tiny", "float32")
-        leaves = list(sharding._walk(nnx.to_pure_dict(model.params)))
+        leaves = list(sharding.param_paths(nnx.to_pure_dict(model.params)))
         assert len(leaves) > 10
         for path, leaf in leaves:
             axes = sharding.param_axes(path)
@@ -118,7 +118,7 @@ def test_abstract_params_carry_shardings_without_allocating():
 
     mesh = sharding.make_mesh((1, 1))
     state = sharding.abstract_params(tiny_config(), mesh)
-    leaves = dict(sharding._walk(nnx.to_pure_dict(state)))
+    leaves = dict(sharding.param_paths(nnx.to_pure_dict(state)))
     assert leaves["layers.1.mlp.gate_up"].shape == (2, 256, 64)
     assert leaves["layers.1.mlp.gate_up"].sharding.mesh == mesh
 
