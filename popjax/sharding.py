@@ -334,26 +334,18 @@ def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     of n; negative ids give zero rows) -> [k, ...] split over the ``mlp`` mesh axis along rows,
     with ``w`` split along F: `take_split` for a block mixing parts, e.g. the gate rows of one
     channel set with the up rows of another out of ``gate_up`` [2, f, d] (gate-scored POP).
-    Without a mesh: a gather from the free [P·F, ...] reshape."""
-    n = split_channels()
+    Without a mesh: a gather from the free [P·F, ...] reshape. On a mesh: `take_split` of every
+    part of the ids' channels (P× the rows, at prefill), then each row's part, elementwise."""
     P, F = w.shape[:2]
-    if n == 1:
+    if split_channels() == 1:
         return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="clip")
-    if F % n or ids.shape[-1] % n:
-        raise ValueError(f"take_split_rows: axis 1 of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
-    block = F // n
-    spec = PartitionSpec(None, RULES["mlp"], *[None] * (w.ndim - 2))
-
-    def local(w_block, ids):
-        part = jnp.clip(ids // F, 0, P - 1)
-        position = ids - part * F - jax.lax.axis_index(RULES["mlp"]) * block
-        mine = (ids >= 0) & (position >= 0) & (position < block)
-        rows = w_block[part, jnp.clip(position, 0, block - 1)]
-        rows = jnp.where(mine.reshape(-1, *[1] * (w.ndim - 2)), rows, 0)
-        return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=0, tiled=True)
-
-    out_spec = PartitionSpec(RULES["mlp"], *[None] * (w.ndim - 2))
-    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=out_spec)(w, ids)
+    part = jnp.clip(ids // F, 0, P - 1)
+    every_part = take_split(w, jnp.where(ids >= 0, ids - part * F, UNOWNED), axis=1)  # [P, k, ...]
+    part = part.reshape(-1, *[1] * (w.ndim - 2))
+    rows = every_part[0]
+    for p in range(1, P):
+        rows = jnp.where(part == p, every_part[p], rows)
+    return rows
 
 
 def pad_ids(ids: jax.Array) -> jax.Array:
