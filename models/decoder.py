@@ -1,13 +1,15 @@
 """The decoder shared by LLaMA, Qwen2 and Qwen3 (switches live in `ModelConfig`).
 
 The MLP of every layer is evaluated by a caller-supplied pure function
-``mlp_fn(weights, state, x) -> (y, state, aux)``: the pruning method. The model has no
-method-specific branch; dense inference is just the dense method.
+``mlp_fn(weights, state, x) -> (y, state, aux)`` (the dense MLP or anything that replaces it),
+and a per-layer ``LayerSchedule`` says what each layer does in one call. The model knows no
+pruning: it has no branch for any particular use of these two arguments.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,25 @@ from .moe import MoEWeights, moe_mlp
 from .rope import check_rope_type, rope_cos_sin
 
 MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
+LAYER_MODES = ("full", "kv", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """What each layer does in one call of the model (static, hashable: part of a jit key).
+
+    ``modes[i]``: "full" (the layer runs), "kv" (it only writes keys/values projected from its
+    input; the residual stream passes through) or "none" (it passes the stream through and writes
+    zero keys/values). ``prefix_masked``: layers whose attention ignores the cache slots before
+    ``prefix_end`` in later calls (the slots a "none" layer never wrote)."""
+
+    modes: tuple[str, ...]
+    prefix_masked: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        bad = sorted({m for m in self.modes if m not in LAYER_MODES})
+        if bad:
+            raise ValueError(f"layer modes {bad} are not among {LAYER_MODES}")
 
 
 class DecoderLayer(nnx.Module):
@@ -32,8 +53,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0):
         """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux).
 
-        ``gate`` [B, T] (optional) is Prefill-Only Pruning's virtual gate (SPEC §4): it scales
-        both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``. ``index`` (the layer's
+        ``gate`` [B, T] (optional) scales both residual branches, ``x + g·Attn(x)`` and
+        ``y + g·FFN(y)`` (a virtual layer gate: its gradient measures the layer's importance). ``index`` (the layer's
         position) reaches the MLP function as ``weights["layer"]``, so methods with per-layer
         calibrated constants can index them."""
         attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index)
@@ -96,8 +117,8 @@ class Transformer(nnx.Module):
         write_index: jax.Array | int = 0,
         last_only: bool = False,
         gates: jax.Array | None = None,
-        layer_modes: Sequence[str] | None = None,
-        prefix_masked_layers: frozenset[int] = frozenset(),
+        schedule: LayerSchedule | None = None,
+        kv_weights: Mapping[int, tuple[jax.Array, jax.Array | None]] | None = None,
         prefix_end: jax.Array | int = 0,
     ) -> tuple[jax.Array, tuple[KVCache, ...], tuple[Any, ...], list[Any]]:
         """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states (tuples
@@ -106,28 +127,29 @@ class Transformer(nnx.Module):
         With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
         their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
         ``mlp_fn`` is one function for every layer or a sequence of one per layer.
-        ``gates`` [L, B, T] (optional) are the virtual layer gates of SPEC §4 (see DecoderLayer).
+        ``gates`` [L, B, T] (optional) scale both residual branches of each layer (see DecoderLayer).
 
-        Layer-level methods (SPEC §4, §6) steer the loop without the model naming them:
-        ``layer_modes[i]`` is "full" (default), "kv" (the layer only writes keys/values projected
-        from its input and passes the residual stream through), "kv_calibrated" (the same with the
-        layer's calibrated projection ``attn.prefill_kv``, popjax.kv_calibration) or "none" (passes
-        it through and writes zero keys/values); layers in ``prefix_masked_layers`` ignore cache
-        slots before ``prefix_end`` (the slots such a "none" layer never wrote).
+        ``schedule`` (static, `LayerSchedule`) says what each layer does in this call: "full"
+        (default), "kv" (the layer only writes keys/values projected from its input and passes
+        the residual stream through) or "none" (passes it through and writes zero keys/values);
+        its ``prefix_masked`` layers ignore cache slots before ``prefix_end``. ``kv_weights``
+        (traced, optional) maps a "kv" layer to the projection it uses instead of its own k/v
+        rows: (w [n_kv, 2, h, d], bias [n_kv, 2, h] or None), in qkv's grouped layout.
         """
         x = self.embed[...][tokens]
         cos, sin = rope_cos_sin(self.cfg, positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            mode = "full" if layer_modes is None else layer_modes[i]
+            mode = "full" if schedule is None else schedule.modes[i]
             if mode != "full":
-                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, i, layer_modes))
+                override = None if kv_weights is None else kv_weights.get(i)
+                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override))
                 new_states.append(None)
                 auxes.append({})
                 continue
             layer_valid = key_valid
-            if i in prefix_masked_layers:
+            if schedule is not None and i in schedule.prefix_masked:
                 layer_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= prefix_end)[None]
             fn = mlp_fn[i] if isinstance(mlp_fn, (list, tuple)) else mlp_fn
             x, cache, state, aux = layer(
@@ -142,32 +164,14 @@ class Transformer(nnx.Module):
         return self.logits(x), tuple(new_caches), tuple(new_states), auxes
 
 
-LAYER_MODES = ("full", "kv", "kv_calibrated", "none")
-
-
-def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, index: int = 0, layer_modes=()) -> KVCache:
-    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer).
-
-    "kv_calibrated" needs the layer's ``attn.prefill_kv`` [2·kv_dim, d] and checks that it was
-    fitted for this very set of bypassed layers (``attn.prefill_kv_skip``, static): calibrated
-    projections map the input of *this* skip set's stream, so another set's are wrong."""
+def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, override=None) -> KVCache:
+    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer):
+    "kv" projects them from x with the layer's own k/v rows or with ``override`` (w, bias)."""
     if mode == "kv":
-        return layer.attn.project_kv(layer.attn_norm(x), cos, sin)
-    if mode == "kv_calibrated":
-        attn = layer.attn
-        skipped = tuple(i for i, m in enumerate(layer_modes) if m != "full")
-        if not hasattr(attn, "prefill_kv"):
-            raise ValueError(
-                f"layer {index} is skipped with kv='calibrated' but the model has no calibrated KV projection "
-                "for it; use popjax.kv_calibration.with_prefill_kv(model, calibrate_kv(model, skip=...))"
-            )
-        if attn.prefill_kv_skip != skipped:
-            raise ValueError(
-                f"layer {index}'s calibrated KV projection was fitted for skipped layers {list(attn.prefill_kv_skip)}, "
-                f"but this plan skips {list(skipped)}; calibrate for this skip set (calibrate_kv(model, skip=...))"
-            )
-        bias = attn.prefill_kv_bias[...] if hasattr(attn, "prefill_kv_bias") else None
-        return attn.project_kv(layer.attn_norm(x), cos, sin, weights=attn.prefill_kv[...], bias=bias)
+        if override is None:
+            return layer.attn.project_kv(layer.attn_norm(x), cos, sin)
+        weights, bias = override
+        return layer.attn.project_kv(layer.attn_norm(x), cos, sin, weights=weights, bias=bias)
     if mode == "none":
         shape = (*x.shape[:2], layer.attn.cfg.num_key_value_heads, layer.attn.cfg.head_dim)
         return KVCache(jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
@@ -175,5 +179,15 @@ def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, index:
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Transformer:
-    """A Transformer with shape-only arrays (no allocation), for conversion targets."""
-    return nnx.eval_shape(lambda: Transformer(cfg, dtype))
+    """A Transformer with shape-only arrays (no allocation), for conversion targets; each layer's
+    MLP has its own width when the config has per-layer widths (a structurally pruned checkpoint)."""
+    if cfg.intermediate_sizes is None:
+        return nnx.eval_shape(lambda: Transformer(cfg, dtype))
+
+    def build():
+        model = Transformer(cfg, dtype)
+        for i, layer in enumerate(model.layers):
+            layer.mlp = MLPWeights(cfg, dtype, i)
+        return model
+
+    return nnx.eval_shape(build)

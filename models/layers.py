@@ -119,11 +119,11 @@ class Attention(nnx.Module):
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, weights: jax.Array | None = None, bias: jax.Array | None = None
     ) -> KVCache:
         """Keys and values alone (RoPE'd keys), x [B, T, d] -> KVCache [B, T, n_kv, h]: what a
-        layer skipped in prefill still writes (Prefill-Only Pruning's independent KV projection).
+        layer scheduled as "kv" writes (it skips the rest of its computation).
 
         ``weights`` [n_kv, 2, h, d] (each KV head's k and v, `group_kv`) replace the k/v parts of
-        ``qkv`` and ``bias`` [n_kv, 2, h] those of ``qkv_bias`` (calibrated projections,
-        popjax.kv_calibration)."""
+        ``qkv`` and ``bias`` [n_kv, 2, h] those of ``qkv_bias`` (e.g. projections fitted to
+        reproduce another layer stream's keys and values)."""
         cfg = self.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
         w = self.qkv[...][:, g:] if weights is None else weights
@@ -176,17 +176,17 @@ def _grouped_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.A
 
 
 class MLPWeights(nnx.Module):
-    """Weights of the gated MLP. The computation lives in the pruning method, a pure function
-    of ``(weights, partition_state, x)``; see ``popjax.methods``."""
+    """Weights of the gated MLP. The computation is the caller's ``mlp_fn``, a pure function of
+    ``(weights, state, x)`` (the dense MLP, or whatever the caller runs instead)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
         self.gate_up = _param((2, f, d), dtype)  # [gate; up] on a leading axis
         self.down = _param((d, f), dtype)
-        if cfg.down_proj_bias:  # FLAP's bias compensation (popjax.pruned)
+        if cfg.down_proj_bias:  # a structurally pruned checkpoint's bias (popjax.pruned)
             self.down_bias = _param((d,), dtype)
-        # ‖W_d[:, j]‖₂ per channel (SPEC §2): a per-model constant, filled in by `finalize`.
+        # ‖W_d[:, j]‖₂ per channel (channel importance scores read it): a per-model constant, filled in by `finalize`.
         self.down_norm = Derived(jnp.zeros((f,), jnp.float32))
 
     def finalize(self) -> None:

@@ -19,9 +19,9 @@ the same math as ``Transformer`` (same embedding, final norm, LM head and layer 
 * the layer index reaches the method as ``weights["layer"]``, a traced int32: methods that pick
   per-layer calibrated constants by it work unchanged.
 
-Scope: identical layers. Per-layer FFN widths (FLAP-pruned checkpoints), MoE models mixing dense
-and expert layers, layers with extra parameters (a calibrated prefill KV projection), per-layer
-prefill modes (Prefill-Only Pruning) and virtual layer gates raise a ValueError that names the
+Scope: identical layers. Per-layer FFN widths (structurally pruned checkpoints), MoE models mixing
+dense and expert layers, layers with extra parameters, per-layer schedules (layers that skip or
+only project K/V) and virtual layer gates raise a ValueError that names the
 value and points to the unrolled model, which the calibration/analysis code (walking
 ``model.layers[i]``) keeps using.
 
@@ -115,8 +115,8 @@ class ScannedTransformer(nnx.Module):
         write_index: jax.Array | int = 0,
         last_only: bool = False,
         gates: jax.Array | None = None,
-        layer_modes: Any = None,
-        prefix_masked_layers: frozenset[int] = frozenset(),
+        schedule: Any = None,
+        kv_weights: Any = None,
         prefix_end: jax.Array | int = 0,
     ) -> tuple[jax.Array, KVCache, Any, Any]:
         """tokens, positions [B, T]; key_valid [B, S] -> (logits [B, T or 1, V], caches, states, aux).
@@ -125,10 +125,10 @@ class ScannedTransformer(nnx.Module):
         over layers. ``caches``: None (prefill: the returned caches are the fresh keys/values
         k, v [L, B, T, n_kv, h]) or one KVCache [L, B, S, n_kv, h], written at ``write_index``
         and returned. States and aux come back stacked over layers ([L, ...] leaves).
-        ``gates``, ``layer_modes`` and ``prefix_masked_layers`` (per-layer steering,
-        see Transformer) are refused: they need the unrolled model."""
+        ``gates``, a ``schedule`` and ``kv_weights`` (per-layer steering, see Transformer) are
+        refused: they need the unrolled model."""
         fn = _single_mlp_fn(mlp_fn)
-        _check_uniform(gates, layer_modes, prefix_masked_layers)
+        _check_uniform(gates, schedule, kv_weights)
         if isinstance(mlp_states, (list, tuple)) and all(s is None for s in mlp_states):
             mlp_states = None  # the unrolled model's "no state for any layer"
         x = self.embed[...][tokens]
@@ -178,20 +178,17 @@ def _single_mlp_fn(mlp_fn):
     return mlp_fn[0]
 
 
-def _check_uniform(gates, layer_modes, prefix_masked_layers) -> None:
-    if layer_modes is not None:
+def _check_uniform(gates, schedule, kv_weights) -> None:
+    if schedule is not None and (set(schedule.modes) != {"full"} or schedule.prefix_masked):
         raise ValueError(
-            f"layer_modes={tuple(layer_modes)}: per-layer prefill modes (Prefill-Only Pruning's layer skipping, "
-            f"plan.prefill_layer_modes) are not supported by a scanned model; {UNROLLED}"
+            f"schedule={schedule}: per-layer schedules (layers that skip or only project K/V, per-layer "
+            f"attention masks) are not supported by a scanned model; {UNROLLED}"
         )
-    if prefix_masked_layers:
-        raise ValueError(
-            f"prefix_masked_layers={sorted(prefix_masked_layers)}: per-layer attention masks are not supported "
-            f"by a scanned model; {UNROLLED}"
-        )
+    if kv_weights:
+        raise ValueError(f"kv_weights for layers {sorted(kv_weights)} are not supported by a scanned model; {UNROLLED}")
     if gates is not None:
         raise ValueError(
-            f"gates of shape {tuple(gates.shape)}: virtual layer gates (popjax.layer_importance) are not "
+            f"gates of shape {tuple(gates.shape)}: virtual layer gates (per-layer importance) are not "
             f"supported by a scanned model; {UNROLLED}"
         )
 

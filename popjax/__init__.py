@@ -7,8 +7,11 @@
 
 from . import engine
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
-from .loading import LoadedModel, convert_source, load
-from . import calibration, layer_importance, memory_plan, pruned, sharding
+from .loading import convert_source, load
+from .loaded import LoadedModel
+from . import calibration, pruned, sharding
+from .analysis import flops, layer_importance, memory_plan
+from .methods.prefill_only import kv_calibration
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
     Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP,

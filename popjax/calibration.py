@@ -1,17 +1,19 @@
 """The calibration pipeline shared by every offline method (TEAL, CATS, Wanda-sp, FLAP).
 
 * **Corpus** — real text as token-id windows ``[n_windows, window]``: by default the Shakespeare
-  works of ``popjax.eval.data`` without ``HELD_OUT_PLAY`` and ``DEV_PLAY`` (`default_corpus`),
+  works of ``popjax.data`` without ``HELD_OUT_PLAY`` and ``DEV_PLAY`` (`default_corpus`),
   or a user's text (`text_corpus`, `text_file_corpus`) or ids (`Corpus.from_token_ids`).
 * **Collection** — `collect` runs the model's prefill over the corpus in batches with a
   `CollectorPlan`: at every layer's MLP the statistic's output (dense by default, so later
   layers see the dense model) plus its per-batch sums as aux (stacked ``[L, ...]``); the host
   adds batches in a fixed order in float64/int64, so a corpus gives bit-identical statistics.
-* **Cache** — `calibrate` = `collect` once, then a file under ``cache_root()/calibration/``
+* **Cache** — `calibrate` = `collect` once, kept as a `popjax.cache` entry of kind
+  "calibration" (``cache_root()/calibration/<statistic>-v<version>-<corpus>-<hash>/arrays.npz``)
   keyed by the model (a hash of its config and every weight), the corpus (name, token count,
-  window, a hash of the ids) and the statistic (name, version, fields). Written atomically;
-  the key and a checksum of every array are verified on load: a corrupt or mismatched file is
-  rebuilt with a logged warning, never used.
+  window, a hash of the ids), the statistic (name, version, fields) and the batch size. Made
+  atomically; key and checksum are verified on every read: a corrupt or mismatched entry is
+  made again with a one-line warning, never used. `cached_arrays` does the same for any
+  arrays (low-rank factors, ...).
 
 A statistic is a frozen (hashable: it is part of a jit static argument) `Statistic`:
 
@@ -44,14 +46,16 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# popjax.methods imports this module (TEAL/CATS) after popjax.methods.base is complete.
-from .methods.base import Plan, activations, down_proj
+from . import engine
+from .data import DEV_PLAY, HELD_OUT_PLAY, load_play, load_text_file, play_names
+from .cache import cache_root, entry_key, get_or_make
+from .ffn import Plan, activations, down_proj
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +150,6 @@ def text_corpus(
 
 def text_file_corpus(path: str | Path, tokenizer, n_tokens: int = DEFAULT_TOKENS, window: int = DEFAULT_WINDOW) -> Corpus:
     """A user's UTF-8 text file as a corpus (named after the file; its ids are in the key)."""
-    from .eval.data import load_text_file
-
     return text_corpus(f"file-{Path(path).name}", [load_text_file(path)], tokenizer, n_tokens, window)
 
 
@@ -157,8 +159,6 @@ def shakespeare_corpus(tokenizer, n_tokens: int = DEFAULT_TOKENS, window: int = 
     Spread over the works: each work, in alphabetical order, contributes ``⌈n_windows / P⌉``
     consecutive windows taken from the middle of its text (dialogue, not the cast list), until
     ``n_tokens``."""
-    from .eval.data import DEV_PLAY, HELD_OUT_PLAY, load_play, play_names
-
     _check_sizes(n_tokens, window)
     plays = [p for p in play_names() if p not in (HELD_OUT_PLAY, DEV_PLAY)]
     per_play = -(-(n_tokens // window) // len(plays)) * window
@@ -234,8 +234,6 @@ def collect(model, statistic: Statistic, corpus: Corpus, batch_size: int = DEFAU
     """Runs ``statistic`` over the corpus: -> {name: [L, ...]} summed over every token (float64
     for float statistics, int64 for integer ones; a MoE model's are [L, slots, ...], see the
     module docstring). Batches of ``batch_size`` windows, in order."""
-    from . import engine
-
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise CalibrationError(f"batch_size={batch_size!r} is invalid; use an integer ≥ 1")
     if corpus.windows.size == 0:
@@ -305,22 +303,90 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+ARRAYS = "arrays.npz"
+
+
+def cache_key(model_key: str, corpus: Corpus, statistic: Statistic, batch_size: int = DEFAULT_BATCH) -> tuple[dict[str, Any], str]:
+    """-> (the key fields, the entry's name) under which `calibrate` caches a statistic."""
+    key = {
+        "format": CACHE_FORMAT,
+        "model": model_key,
+        "corpus": {"name": corpus.name, "tokens": corpus.n_tokens, "window": corpus.window, "ids": corpus.fingerprint()},
+        "statistic": statistic.key(),
+        "batch_size": batch_size,
+    }
+    return key, f"{statistic.name}-v{statistic.version}-{corpus.name}"
+
+
+def cache_path(
+    model_key: str, corpus: Corpus, statistic: Statistic, cache_dir: str | Path | None = None,
+    batch_size: int = DEFAULT_BATCH,
+) -> Path:
+    """The cache entry (a directory) where `calibrate` keeps a statistic for this model and corpus."""
+    key, name = cache_key(model_key, corpus, statistic, batch_size)
+    return (Path(cache_dir) if cache_dir is not None else cache_root()) / "calibration" / entry_key(key, name)
+
+
+def cached_arrays(
+    kind: str, key: dict[str, Any], compute: Callable[[], dict[str, np.ndarray]], *, name: str,
+    root: str | Path | None = None,
+) -> dict[str, np.ndarray]:
+    """``compute()`` once per key, kept as a `popjax.cache` entry of ``kind`` (one ``arrays.npz``:
+    made atomically, checksummed and verified on every read; a corrupt entry is made again with
+    a one-line warning). A fresh result is returned as computed, not read back."""
+    fresh: dict[str, dict[str, np.ndarray]] = {}
+
+    def make(directory: Path) -> None:
+        fresh["arrays"] = compute()
+        np.savez(directory / ARRAYS, **fresh["arrays"])
+
+    entry = get_or_make(kind, key, make, name=name, root=root)
+    if "arrays" in fresh:
+        log.info("%s %s written to %s", kind, name, entry)
+        return fresh["arrays"]
+    with np.load(entry / ARRAYS, allow_pickle=False) as data:
+        return {array: np.array(data[array]) for array in data.files}
+
+
+def calibrate(
+    model,
+    statistic: Statistic,
+    corpus: Corpus | None = None,
+    *,
+    batch_size: int = DEFAULT_BATCH,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+) -> dict[str, np.ndarray]:
+    """`collect` once per (model, corpus, statistic): later calls read the cache entry.
+
+    Args:
+      model: a ``popjax.load`` result.
+      statistic: what to gather (see `Statistic`).
+      corpus: default `default_corpus(model)` (Shakespeare, 16384 tokens in windows of 256).
+      batch_size: windows per prefill batch (does not change the result beyond float rounding,
+        so it is part of the key).
+      cache: False always recomputes and writes nothing.
+      cache_dir: the cache root for this call (entries go to ``<cache_dir>/calibration/``);
+        default `popjax.cache.cache_root()`.
+    Returns {name: [L, ...]} as `collect`.
+    """
+    corpus = default_corpus(model) if corpus is None else corpus
+    if not cache:
+        return collect(model, statistic, corpus, batch_size)
+    key, name = cache_key(model_fingerprint(model), corpus, statistic, batch_size)
+    return cached_arrays("calibration", key, lambda: collect(model, statistic, corpus, batch_size), name=name, root=cache_dir)
+
+
+# ---------------------------------------------------------------- the npz files of popjax before popjax.cache
+# still used by popjax/methods/pop/low_rank.py until it moves to `cached_arrays`
+
+
 def _checksum(arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     for name in sorted(arrays):
         h.update(f"{name}:{arrays[name].dtype}:{arrays[name].shape}".encode())
         h.update(np.ascontiguousarray(arrays[name]).tobytes())
     return h.hexdigest()
-
-
-def cache_path(model_key: str, corpus: Corpus, statistic: Statistic, cache_dir: str | Path | None = None) -> Path:
-    """Where `calibrate` keeps a statistic for this model and corpus."""
-    from .convert.store import cache_root
-
-    root = Path(cache_dir) if cache_dir is not None else cache_root() / "calibration"
-    fields = hashlib.sha256(json.dumps(statistic.key(), sort_keys=True).encode()).hexdigest()[:8]
-    name = f"{statistic.name}-v{statistic.version}-{fields}-{corpus.name}-{corpus.n_tokens}x{corpus.window}-{corpus.fingerprint()}.npz"
-    return root / model_key[:24] / name
 
 
 def _read(path: Path, key: dict[str, Any]) -> dict[str, np.ndarray] | None:
@@ -356,49 +422,6 @@ def _write(path: Path, key: dict[str, Any], arrays: dict[str, np.ndarray]) -> No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def calibrate(
-    model,
-    statistic: Statistic,
-    corpus: Corpus | None = None,
-    *,
-    batch_size: int = DEFAULT_BATCH,
-    cache: bool = True,
-    cache_dir: str | Path | None = None,
-) -> dict[str, np.ndarray]:
-    """`collect` once per (model, corpus, statistic): later calls read the cached file.
-
-    Args:
-      model: a ``popjax.load`` result.
-      statistic: what to gather (see `Statistic`).
-      corpus: default `default_corpus(model)` (Shakespeare, 16384 tokens in windows of 256).
-      batch_size: windows per prefill batch (does not change the result beyond float rounding,
-        so it is part of the key).
-      cache: False always recomputes and writes nothing.
-      cache_dir: default ``cache_root()/calibration``.
-    Returns {name: [L, ...]} as `collect`.
-    """
-    corpus = default_corpus(model) if corpus is None else corpus
-    if not cache:
-        return collect(model, statistic, corpus, batch_size)
-    model_key = model_fingerprint(model)
-    key = {
-        "format": CACHE_FORMAT,
-        "model": model_key,
-        "corpus": {"name": corpus.name, "tokens": corpus.n_tokens, "window": corpus.window, "ids": corpus.fingerprint()},
-        "statistic": statistic.key(),
-        "batch_size": batch_size,
-    }
-    path = cache_path(model_key, corpus, statistic, cache_dir)
-    if path.is_file():
-        arrays = _read(path, key)
-        if arrays is not None:
-            return arrays
-    arrays = collect(model, statistic, corpus, batch_size)
-    _write(path, key, arrays)
-    log.info("calibration statistic %s written to %s", statistic.name, path)
-    return arrays
 
 
 # ---------------------------------------------------------------- magnitude histograms

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import sharding
-from .methods.base import Plan
+from .ffn import Plan
 from .models.attention import cache_slots
+from .models.decoder import LayerSchedule
 from .models.layers import KVCache
 from .sampling import SamplingParams, sample
 
@@ -116,7 +117,7 @@ class DecodeState(NamedTuple):
     step: jax.Array  # [] int32: decode-path calls so far (the methods' ``step``)
     key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
-    prefix_end: jax.Array  # [] int32: first slot not written by prefill (see Plan.prefix_masked_layers)
+    prefix_end: jax.Array  # [] int32: first slot not written by prefill (see models.decoder.LayerSchedule.prefix_masked)
     caches: tuple[KVCache, ...] | KVCache  # L × k, v [B, S, n_kv, h]; scanned model: k, v [L, B, S, n_kv, h]
     method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 
@@ -129,15 +130,18 @@ class Sampler(NamedTuple):
     key: jax.Array
 
 
-def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None):
+def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None, data=None):
     """tokens, mask [B, T] -> (logits [B, V] for the next token or [B, T, V], DecodeState with
     S = cache_slots(T, capacity), per-layer aux).
 
     A plan with a ``boundary`` prefills all but each row's last prompt token (the last column,
     since rows are left-padded) and runs that token through the full model as a decode-path
-    step; ``all_logits`` (``forward``) prefills every position instead."""
+    step; ``all_logits`` (``forward``) prefills every position instead. ``data`` is the method's
+    calibrated data (`Method.data`, traced): for a plan that ``requires_data``, its
+    ``kv_weights`` reach the model's schedule."""
     B, T = tokens.shape
     L = model.cfg.num_hidden_layers
+    check_data(plan, data)
     boundary = plan.boundary and not all_logits
     prefill_mask = mask.at[:, -1].set(0) if boundary else mask
     valid = prefill_mask.astype(bool)
@@ -146,11 +150,13 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         positions_from_mask(prefill_mask),
         valid,
         # ``routed`` [B, T] (a MoE expert's tokens, models/moe.py) narrows ``valid``; dense FFNs omit it
-        lambda w, _state, x, routed=None: plan.prefill(w, x, valid if routed is None else valid & routed),
+        lambda w, _state, x, routed=None: plan.prefill(with_data(w, data), x, valid if routed is None else valid & routed),
         None,  # no method state yet
         last_only=not all_logits,
         gates=gates,
-        layer_modes=plan.prefill_layer_modes(L),
+        schedule=plan.layer_schedule(L),
+        # only a plan that reads its data gets it: given to another plan, data changes nothing
+        kv_weights=data.get("kv_weights") if data is not None and plan.requires_data else None,
     )
     S = cache_slots(T, capacity)
     grow = lambda a: jnp.zeros((B, S, *a.shape[2:]), a.dtype).at[:, :T].set(a)
@@ -167,23 +173,41 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
     )
     if not boundary:
         return (logits if all_logits else logits[:, -1]), state, aux
-    logits, state, boundary_aux = _advance(model, plan, state, tokens[:, -1], boundary=True)
+    logits, state, boundary_aux = _advance(model, plan, state, tokens[:, -1], boundary=True, data=data)
     # layers that skipped prefill built their method state (and prefill aux) from the boundary
     aux = [a if state_i is not None else b for a, b, state_i in zip(aux, boundary_aux, states)]
     return logits, state._replace(step=jnp.int32(0)), aux
 
 
-def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = False):
+def check_data(plan: Plan, data) -> None:
+    """A plan that reads its method's calibrated data refuses to trace without it (one clear line
+    instead of a KeyError deep inside the plan)."""
+    if plan.requires_data and data is None:
+        raise ValueError(f"the {plan.name} plan reads its method's calibrated data, and none was given: pass "
+                         "data=method.data(model) of the prepared method (popjax.generate and forward do)")
+
+
+def with_data(w: dict, data) -> dict:
+    """A layer's FFN weights plus the method's calibrated data (``w["data"]``, [L, ...] leaves the
+    plan indexes with ``w["layer"]``); unchanged for a method without data."""
+    return w if data is None else {**w, "data": data}
+
+
+def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = False, data=None):
     """Feeds token [B] through the decode path -> (logits [B, V], next state, per-layer aux).
     In the ``boundary`` step, layers without a method state (they skipped prefill) run the
     method's prefill on this token instead, which builds their state."""
+    check_data(plan, data)
     valid = state.live[:, None]
     narrow = lambda routed: valid if routed is None else valid & routed  # a MoE expert's rows (models/moe.py)
-    decode = lambda w, s, x, routed=None: plan.decode(w, s, x, state.step, narrow(routed))
+    decode = lambda w, s, x, routed=None: plan.decode(with_data(w, data), s, x, state.step, narrow(routed))
     mlp_fn = decode
     if boundary:
-        first = lambda w, _s, x, routed=None: plan.prefill(w, x, narrow(routed))
+        first = lambda w, _s, x, routed=None: plan.prefill(with_data(w, data), x, narrow(routed))
         mlp_fn = [decode if s is not None else first for s in state.method_states]
+    schedule = plan.layer_schedule(model.cfg.num_hidden_layers)
+    # decode runs every layer; a prefill schedule's prefix-masked layers keep their mask
+    decode_schedule = None if schedule is None else LayerSchedule(("full",) * len(schedule.modes), schedule.prefix_masked)
     logits, caches, states, aux = model(
         token[:, None],
         state.position[:, None],
@@ -192,7 +216,7 @@ def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = Fals
         state.method_states,
         caches=state.caches,
         write_index=state.index,
-        prefix_masked_layers=plan.prefix_masked_layers(),
+        schedule=decode_schedule,
         prefix_end=state.prefix_end,
     )
     state = state._replace(
@@ -212,37 +236,40 @@ def _choose(state: DecodeState, logits, key, sampling, stop_ids, pad_id):
     return token, state._replace(live=state.live & ~jnp.isin(token, stop_ids))
 
 
-def _generation_step(model, plan, carry: Sampler, sampling, stop_ids, pad_id):
+def _generation_step(model, plan, carry: Sampler, sampling, stop_ids, pad_id, data=None):
     """The one step shared by the decode loop and streaming -> (carry, per-layer aux)."""
-    logits, state, aux = _advance(model, plan, carry.state, carry.token)
+    logits, state, aux = _advance(model, plan, carry.state, carry.token, data=data)
     key, sub = jax.random.split(carry.key)
     token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
     return Sampler(state, token, key), aux
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
-def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None):
+def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None, data=None):
     """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
     the prompt caches (L × KVCache [B, S ≥ T, n_kv, h], or a scanned model's stacked KVCache);
     method states (L, or stacked); aux stacked over layers). ``gates`` [L, B, T] are optional
-    virtual layer gates (SPEC §4; differentiable)."""
+    virtual layer gates (docs/methods.md §9; differentiable); ``data`` the method's calibrated
+    data (`Method.data`)."""
     model = nnx.merge(graphdef, params)
-    logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates)
+    logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates, data)
     return logits, state.caches, state.method_states, stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "with_aux"))
-def start(graphdef, params, plan: Plan, tokens, mask, key, sampling: SamplingParams, stop_ids, pad_id, capacity: int, with_aux=False):
+def start(graphdef, params, plan: Plan, tokens, mask, key, sampling: SamplingParams, stop_ids, pad_id, capacity: int, with_aux=False,
+          data=None):
     """Prefill + the first sampled token -> (Sampler, prefill aux stacked over layers)."""
     model = nnx.merge(graphdef, params)
-    logits, state, aux = _prefill(model, plan, tokens, mask, capacity)
+    logits, state, aux = _prefill(model, plan, tokens, mask, capacity, data=data)
     key, sub = jax.random.split(key)
     token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
     return Sampler(state, token, key), stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "trace"), donate_argnames=("carry",))
-def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sampling: SamplingParams, stop_ids, pad_id, capacity: int, trace: bool = False):
+def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sampling: SamplingParams, stop_ids, pad_id, capacity: int, trace: bool = False,
+                data=None):
     """Generates until ``max_new_tokens`` (≤ capacity) tokens exist or no row is live.
 
     -> (tokens [B, capacity] (pad_id after a row stops; the first is ``carry.token``), number of
@@ -252,7 +279,7 @@ def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sa
     model = nnx.merge(graphdef, params)
     B = carry.token.shape[0]
     tokens = jnp.full((B, capacity), pad_id, jnp.int32).at[:, 0].set(carry.token)
-    run = lambda c: _generation_step(model, plan, c, sampling, stop_ids, pad_id)
+    run = lambda c: _generation_step(model, plan, c, sampling, stop_ids, pad_id, data)
     if trace:
         aux_shape = jax.eval_shape(lambda c: stack_aux(run(c)[1]), carry)
         records = jax.tree_util.tree_map(lambda s: jnp.zeros((capacity - 1, *s.shape), s.dtype), aux_shape)
@@ -276,29 +303,29 @@ def decode_loop(graphdef, params, plan: Plan, carry: Sampler, max_new_tokens, sa
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames=("carry",))
-def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: SamplingParams, stop_ids, pad_id):
+def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: SamplingParams, stop_ids, pad_id, data=None):
     """One generation step alone (streaming): the decode loop's body, the carry donated ->
     (carry, the new token [B] as its own buffer, readable after the carry is donated again)."""
     model = nnx.merge(graphdef, params)
-    carry = _generation_step(model, plan, carry, sampling, stop_ids, pad_id)[0]
+    carry = _generation_step(model, plan, carry, sampling, stop_ids, pad_id, data)[0]
     return carry, carry.token
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs", "record"))
-def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False, record: tuple[str, ...] = ()):
+def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False, record: tuple[str, ...] = (), data=None):
     """Prefill a left-padded prompt, then feed ``targets`` [B, N] one at a time through the
     decode path -> (nll [B, N] of each target given everything before it, log-probabilities
     [B, N, V] if asked, else [B, N, 0], and the decode aux entries named in ``record``, each
     [N, L, ...] (the step that fed target i is entry i))."""
     model = nnx.merge(graphdef, params)
     B, N = targets.shape
-    logits, state, _ = _prefill(model, plan, tokens, mask, N)
+    logits, state, _ = _prefill(model, plan, tokens, mask, N, data=data)
 
     def step(carry, target):
         logits, state = carry
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
-        logits, state, aux = _advance(model, plan, state, target)
+        logits, state, aux = _advance(model, plan, state, target, data=data)
         aux = stack_aux(aux) if record else {}
         kept = {name: aux[name] for name in record if name in aux}
         return (logits, state), (nll, logp if with_logprobs else jnp.zeros((B, 0)), kept)

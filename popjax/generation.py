@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import engine, sharding
-from .loading import LoadedModel
+from .loaded import LoadedModel
 from .methods import Method, prepared
 from .sampling import SamplingParams
 
@@ -117,6 +117,7 @@ class GenerationRequest:
     the benchmark): ``req.start(model)`` runs prefill and samples the first token."""
 
     plan: Any
+    data: Any  # the prepared method's calibrated data (`Method.data`), traced into the programs
     tokens: jax.Array  # [B_bucket, T_bucket]
     mask: jax.Array
     batch: int  # real rows
@@ -138,7 +139,8 @@ class GenerationRequest:
         if not prompts:
             raise ValueError("no prompts given")
         check_prompt_lengths(model, prompts, max_new_tokens)
-        plan = prepared(method, model).bind(model.config)
+        method = prepared(method, model)
+        plan, data = method.bind(model.config), method.data(model)
         pad_id = pad_token_id(model)
         mesh = getattr(model, "mesh", None)
         data_rows = 1 if mesh is None else dict(mesh.shape).get("data", 1)
@@ -148,7 +150,7 @@ class GenerationRequest:
         capacity = engine.bucket_for(max(max_new_tokens, capacity or 0), engine.CAPACITY_BUCKETS, "max_new_tokens")
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         stops = _stop_ids(model, stop_ids, ignore_eos)
-        return cls(plan, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
+        return cls(plan, data, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
 
     def start(self, model, with_aux: bool = False):
         with sharding.use_mesh(model):
@@ -157,7 +159,7 @@ class GenerationRequest:
     def _start(self, model, with_aux: bool):
         return engine.start(
             model.graphdef, model.params, self.plan, self.tokens, self.mask, self.key, self.sampling,
-            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux,
+            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux, data=self.data,
         )
 
     def decode(self, model, carry, max_new_tokens: int, trace: bool = False):
@@ -169,14 +171,15 @@ class GenerationRequest:
     def _decode(self, model, carry, max_new_tokens: int, trace: bool):
         return engine.decode_loop(
             model.graphdef, model.params, self.plan, carry, jnp.int32(max_new_tokens), self.sampling,
-            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, trace=trace,
+            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, trace=trace, data=self.data,
         )
 
     def step(self, model, carry):
         """One generation step alone (streaming); ``carry`` is consumed -> (carry, token [B])."""
         with sharding.use_mesh(model):
             return engine.stream_step(
-                model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id)
+                model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id),
+                data=self.data,
             )
 
     def until_stop(self, row: list[int]) -> list[int]:
@@ -363,9 +366,10 @@ def forward(
         sharding.check_batch(rows, mesh)
     tokens = np.pad(ids, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     full_mask = np.pad(mask, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
-    plan = prepared(method, model).bind(model.config)
+    method = prepared(method, model)
+    plan = method.bind(model.config)
     with sharding.use_mesh(model):
         logits, _, _, _ = engine.prefill(
-            model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True
+            model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True, data=method.data(model)
         )
     return logits[: ids.shape[0], pad:]

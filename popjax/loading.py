@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,33 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .cache import get_or_make
 from .convert import convert as conv
 from .convert.default_model import DEFAULT_MODEL, default_gguf_path
 from .convert.fused import fuse_checkpoint
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
-from .convert.store import cache_root, is_converted, read_converted, source_key, write_converted
+from .convert.store import FORMAT_VERSION, is_converted, read_converted, source_key, write_converted, write_into
+from .loaded import LoadedModel, unrolled, with_scanned_layers
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
 from .models.layers import MLPWeights
 from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
+from . import sharding
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    """What ``popjax.load`` returns: pass it to ``generate``/``forward``.
-
-    ``params`` is an ``nnx.State`` pytree (parameters plus derived constants such as the
-    per-channel ‖W_d[:, j]‖₂); ``graphdef`` is the static structure, hashable for jit."""
-
-    config: ModelConfig
-    graphdef: Any
-    params: Any
-    tokenizer: Any
-    source: str
-    dtype: str
-    mesh: Any = None  # a jax Mesh when the params are sharded over devices (popjax.sharding)
 
 
 def _resolve_source(source: str | Path) -> tuple[str, Path]:
@@ -75,7 +63,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot directory of a Hugging Face repo, through ``huggingface_hub``: its cache
     (``HF_HUB_CACHE``), offline mode (``HF_HUB_OFFLINE=1`` reads the cache only) and
     ``HUB_FILES`` as allow-patterns, so no .bin/.pth/.gguf duplicates are downloaded."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download  # heavy: huggingface_hub only for hub repo ids
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
@@ -95,7 +83,7 @@ def _tokenizer_saver(kind: str, path: Path):
     """A function that writes the source's tokenizer into a directory; returns whether it did."""
 
     def save(target: Path) -> bool:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
         if kind == "gguf":  # a GGUF file always carries its tokenizer: failing to build it is an error
             tok = gguf_tokenizer(path)
@@ -111,21 +99,44 @@ def _tokenizer_saver(kind: str, path: Path):
     return save
 
 
+def _convert(kind: str, path: Path, dtype: str) -> conv.ConvertedCheckpoint:
+    return conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+
+
 def convert_source(source: str | Path, destination: Path, dtype: str = "float32") -> Path:
     """Converts ``source`` into a popjax directory at ``destination`` (atomic)."""
     conv.check_dtype(dtype)
     kind, path = _resolve_source(source)
     if kind == "converted":
         raise CheckpointError(f"{path} is already a converted popjax checkpoint")
-    converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+    converted = _convert(kind, path, dtype)
     meta = {"source": str(path), "kind": kind, "dtype": dtype}
     write_converted(destination, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
     return destination
 
 
-def _cached_directory(kind: str, path: Path, dtype: str) -> Path:
-    key = source_key(_source_files(kind, path), dtype)
-    return cache_root() / "converted" / f"{path.stem}-{dtype}-{key}"
+def converted_entry(kind: str, path: Path, dtype: str) -> Path:
+    """The cache entry (kind "converted") of the source at ``path`` in ``dtype``, converted into
+    the cache first if it is not there (`popjax.cache.get_or_make`: atomic, checksummed; a hit
+    never converts). Keyed by the source's resolved path and its files' sizes and mtimes."""
+    path = path.resolve()  # a stable key through links (the tests share the user's conversions)
+    key = {"format": FORMAT_VERSION, "dtype": dtype, "source": str(path), "files": source_key(_source_files(kind, path), dtype)}
+
+    def make(directory: Path) -> None:
+        log.warning("converting %s once into the popjax cache (%s)", path, directory.parent)
+        converted = _convert(kind, path, dtype)
+        meta = {"source": str(path), "kind": kind, "dtype": dtype}
+        write_into(directory, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
+
+    return get_or_make("converted", key, make, name=f"{_readable_name(path)}-{dtype}")
+
+
+def _readable_name(path: Path) -> str:
+    """``model.Q4_1`` for ``.../model.Q4_1.gguf``; ``owner--name-0123abcd`` for a hub snapshot
+    (``.../models--owner--name/snapshots/0123abcd…``), whose own name is only a commit hash."""
+    if len(path.parts) >= 3 and path.parts[-2] == "snapshots" and path.parts[-3].startswith("models--"):
+        return f"{path.parts[-3][len('models--'):]}-{path.name[:8]}"
+    return path.stem
 
 
 ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
@@ -134,8 +145,6 @@ ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 def default_dtype() -> str:
     """bfloat16 where the default JAX backend is an accelerator (GPU/TPU), float32 on CPU, where
     bf16 matmuls are emulated and slower."""
-    import jax
-
     return "bfloat16" if jax.default_backend() in ACCELERATOR_BACKENDS else "float32"
 
 
@@ -152,7 +161,8 @@ def load(
       dtype: ``"float32"`` or ``"bfloat16"``; None (default) picks `default_dtype()`: bfloat16 on
         GPU/TPU, float32 on CPU. In bf16, weights, activations and KV caches are bf16; attention
         scores, softmax, norms and pruning scores are computed in fp32.
-      cache: convert once and keep the result under ``$POPJAX_CACHE`` (~/.cache/popjax).
+      cache: convert once and keep the result in popjax's cache (``$POPJAX_CACHE``, else
+        ~/.cache/popjax; kind "converted", see ``popjax cache list``); False converts in memory.
       mesh: a ``popjax.sharding.make_mesh(...)`` mesh: orbax restores each weight of the
         converted store straight into its sharding (each device reads only its own block from
         disk; popjax.sharding.RULES); with ``cache=False`` each converted tensor goes from host
@@ -167,40 +177,30 @@ def load(
     kind, path = _resolve_source(source)
     if kind == "converted":
         directory = path
+    elif not cache:
+        converted = _convert(kind, path, dtype)
+        tokenizer = _load_tokenizer_direct(kind, path)
+        return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
     else:
-        directory = _cached_directory(kind, path, dtype)
-        if not cache:
-            converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
-            tokenizer = _load_tokenizer_direct(kind, path)
-            return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
-        if not is_converted(directory):
-            log.warning("converting %s once into %s", path, directory)
-            try:
-                convert_source(path, directory, dtype)
-            except FileExistsError:
-                pass  # another process finished the same conversion first
+        directory = converted_entry(kind, path, dtype)
     sharding_of = None
     if mesh is not None:
-        from . import sharding
-
         sharding.check_mesh(ModelConfig.from_json(directory / "config.json"), mesh)
         sharding_of = lambda name, shape: sharding.param_sharding(name, shape, mesh)
     cfg, params, meta = read_converted(directory, sharding_of)  # with a mesh: each device reads its blocks
     tokenizer = None
     if meta.get("tokenizer"):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
     return place_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
 
 
 def _load_tokenizer_direct(kind: str, path: Path):
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         if not _tokenizer_saver(kind, path)(Path(tmp)):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
         return AutoTokenizer.from_pretrained(tmp)
 
@@ -229,13 +229,11 @@ def place_model(
         abstract = abstract_scanned_model(cfg, dtype_jnp)  # ValueError for non-identical layers
         tree = stack_layer_tree(tree, cfg.num_hidden_layers, stack=_stack_where_they_are(mesh))
     else:
-        abstract = abstract_model_of(cfg, dtype_jnp)
+        abstract = abstract_model(cfg, dtype_jnp)
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     place = lambda name, array, dt: jnp.asarray(array, dt)
     if mesh is not None:
-        from . import sharding
-
         sharding.check_mesh(cfg, mesh)
         place = lambda name, array, dt: sharding.place(name, array, dt, mesh)
     _fill(pure, tree, "", place)
@@ -258,58 +256,11 @@ def _stack_where_they_are(mesh: Any):
     def stack(name: str, leaves: list) -> Any:
         if mesh is None or not isinstance(leaves[0], jax.Array):
             return np.stack([np.asarray(a) for a in leaves])
-        from . import sharding
 
         out = sharding.param_sharding(f"layer_stack.{name}", (len(leaves), *leaves[0].shape), mesh)
         return jax.jit(jnp.stack, out_shardings=out)(leaves)
 
     return stack
-
-
-def with_scanned_layers(model: LoadedModel) -> LoadedModel:
-    """An unrolled loaded model -> the same weights with the layers stacked for ``lax.scan``
-    (models.scan.scan_layers; done once, here, outside any jit). With a mesh, the stacked
-    parameters are placed in their shardings (the layer axis is not split)."""
-    scanned = stack_model_layers(nnx.merge(model.graphdef, model.params))
-    graphdef, state = nnx.split(scanned)
-    loaded = dataclasses.replace(model, graphdef=graphdef, params=state)
-    if model.mesh is not None:
-        from . import sharding
-
-        loaded = sharding.shard_params(loaded, model.mesh)
-    return loaded
-
-
-def unrolled(model: LoadedModel) -> LoadedModel:
-    """A scanned model (``scan_layers=True``) -> the same weights as the unrolled Transformer,
-    for the code that walks ``model.layers[i]`` (offline calibration, layer analysis); an
-    unrolled model is returned as it is. Each layer's parameters are sliced out of the stacks
-    (a copy of the layer weights while the result lives)."""
-    pure = nnx.to_pure_dict(model.params)
-    if "layer_stack" not in pure:
-        return model
-    stack = pure.pop("layer_stack")
-    graphdef, state = nnx.split(abstract_model_of(model.config, jnp.dtype(model.dtype)))
-    target = nnx.to_pure_dict(state)
-    target.update(pure)
-    target["layers"] = {i: jax.tree_util.tree_map(lambda a, i=i: a[i], stack) for i in target["layers"]}
-    nnx.replace_by_pure_dict(state, target)
-    return dataclasses.replace(model, graphdef=graphdef, params=state)
-
-
-def abstract_model_of(cfg: ModelConfig, dtype: jnp.dtype):
-    """`abstract_model`, with each layer's MLP at its own width when the config has per-layer
-    widths (a FLAP-pruned checkpoint, popjax.pruned)."""
-    if cfg.intermediate_sizes is None:
-        return abstract_model(cfg, dtype)
-
-    def build():
-        model = Transformer(cfg, dtype)
-        for i, layer in enumerate(model.layers):
-            layer.mlp = MLPWeights(cfg, dtype, i)
-        return model
-
-    return nnx.eval_shape(build)
 
 
 def _fill(target: dict, source: dict, prefix: str, place) -> None:

@@ -1,5 +1,5 @@
 """Offline structured pruning: a calibrated Wanda-sp or FLAP selection written into a smaller
-checkpoint — what a user deploys (SPEC §5: both baselines are static).
+checkpoint — what a user deploys (docs/methods.md §5.1–§5.2: both baselines are static).
 
     pruned = popjax.pruned.prune_model(model, popjax.FLAP(ratio=0.2))   # calibrates once (cached)
     popjax.pruned.save_pruned(pruned, "smollm2-flap20")                 # a converted directory
@@ -38,7 +38,8 @@ from flax import nnx
 
 from .calibration import Corpus
 from .convert.store import write_converted
-from .loading import LoadedModel, build_model
+from .loading import build_model
+from .loaded import LoadedModel
 from .models.layers import split_qkv
 from .methods.base import MethodError
 from .methods.wanda_sp import CalibratedPruning, ChannelSelection

@@ -25,18 +25,19 @@ Mesh axes: ``data`` (batch) × ``model`` (heads, FFN channels, vocabulary).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from .loading import LoadedModel
+from .models.decoder import abstract_model
+from .models.scan import abstract_scanned_model
 
 MESH_AXES = ("data", "model")
 
@@ -68,8 +69,6 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"layers\.\d+\.attn\.qkv_bias", ("kv_heads", "qkv_part", "head_dim")),
     (r"layers\.\d+\.attn\.o", ("embed", "heads")),
     (r"layers\.\d+\.attn\.(q_norm|k_norm)\.weight", ("head_dim",)),
-    (r"layers\.\d+\.attn\.prefill_kv", ("kv_heads", "qkv_part", "head_dim", "embed")),
-    (r"layers\.\d+\.attn\.prefill_kv_bias", ("kv_heads", "qkv_part", "head_dim")),
     (r"layers\.\d+\.mlp\.gate_up", ("mlp_pair", "mlp", "embed")),
     (r"layers\.\d+\.mlp\.down", ("embed", "mlp")),
     (r"layers\.\d+\.mlp\.down_norm", ("mlp",)),
@@ -207,13 +206,8 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32", scan_l
     an ahead-of-time ``jit(...).lower`` needs to plan per-device memory without any weights.
     ``scan_layers``: the scanned model's params (``layer_stack.*`` [L, ...], models/scan.py; a
     ValueError for configs it refuses, e.g. per-layer widths)."""
-    from flax import nnx
-
-    from .loading import abstract_model_of
-    from .models.scan import abstract_scanned_model
-
     check_mesh(cfg, mesh)
-    build = abstract_scanned_model if scan_layers else abstract_model_of
+    build = abstract_scanned_model if scan_layers else abstract_model
     _, state = nnx.split(build(cfg, jnp.dtype(dtype)))
     pure = nnx.to_pure_dict(state)
     shaped = _map_paths(
@@ -230,13 +224,9 @@ def place(path: str, array: np.ndarray, dtype, mesh: Mesh) -> jax.Array:
     return jax.device_put(np.asarray(array, dtype=dtype), param_sharding(path, tuple(array.shape), mesh))
 
 
-def shard_params(model: "LoadedModel", mesh: Mesh) -> "LoadedModel":
-    """A loaded model with every parameter placed in its sharding on ``mesh`` (and ``mesh`` set,
-    so generate/forward run under it)."""
-    import dataclasses
-
-    from flax import nnx
-
+def shard_params(model: Any, mesh: Mesh) -> Any:
+    """A loaded model (popjax.loaded.LoadedModel) with every parameter placed in its sharding on
+    ``mesh`` (and ``mesh`` set, so generate/forward run under it)."""
     check_mesh(model.config, mesh)
     pure = nnx.to_pure_dict(model.params)
     placed = _map_paths(lambda path, leaf: jax.device_put(leaf, param_sharding(path, tuple(leaf.shape), mesh)), pure)
@@ -275,9 +265,10 @@ def constrain_cache(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def constrain_method_state(plan: Any, state: Any) -> Any:
-    """A method state: per-sequence states (leading batch axis on every leaf) are split over
-    ``data`` like the batch; other states keep the shardings their own code asks for."""
-    if not active_mesh_axes() or state is None or getattr(plan, "aggregate", None) != "per_sequence":
+    """A method state: per-sequence states (``plan.state_per_sequence``: a leading batch axis on
+    every leaf) are split over ``data`` like the batch; other states keep the shardings their
+    own code asks for."""
+    if not active_mesh_axes() or state is None or not plan.state_per_sequence:
         return state
     sizes = active_mesh_axes()
     data = RULES["batch"] if sizes.get(RULES["batch"], 1) > 1 else None

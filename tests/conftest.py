@@ -86,17 +86,19 @@ def tiny_checkpoints(tmp_path_factory):
     return get
 
 
-SHARED_CACHE_PARTS = ("downloads", "data", "converted")  # PyPI files and content-keyed conversions
+# PyPI files, content-keyed conversions, and XLA's compiled programs (keyed by the program, the
+# jax version and the flags: an entry can only be reused by the very same program)
+SHARED_CACHE_PARTS = ("downloads", "data", "converted", "jax")
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Every test writes its caches (calibration statistics, compiled programs, ...) under a
+    """Every test writes its caches (calibration statistics, K/V calibrations, ...) under a
     fresh root, so no test reads what an earlier run or the user left there. Downloads, the
-    extracted texts and converted checkpoints, keyed by their content, are shared with the
-    user's cache through links so the real default model is fetched and converted once per
-    machine."""
-    from popjax.convert.store import cache_root
+    extracted texts, converted checkpoints and compiled programs, keyed by their content, are
+    shared with the user's cache through links, so the real default model is fetched and
+    converted once per machine and a program is compiled once."""
+    from popjax.cache import cache_root
 
     shared = cache_root()
     root = tmp_path_factory.mktemp("popjax-cache")
@@ -105,11 +107,28 @@ def _isolated_cache(tmp_path_factory):
         (root / part).symlink_to(shared / part, target_is_directory=True)
     previous = os.environ.get("POPJAX_CACHE")
     os.environ["POPJAX_CACHE"] = str(root)
+    # JAX's persistent compilation cache, shared by the xdist workers and kept between runs: many
+    # tests compile the same programs (the same tiny configs, the same buckets), and a second
+    # worker or a second run then loads them instead of compiling again.
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(root / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     yield root
     if previous is None:
         os.environ.pop("POPJAX_CACHE", None)
     else:
         os.environ["POPJAX_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoints):
+    """The tiny llama-gqa model (2 layers, GQA, untied), loaded once per worker: most engine and
+    method tests need nothing more."""
+    import popjax
+
+    directory, _ = tiny_checkpoints("llama-gqa")
+    return popjax.load(directory, cache=False)
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:

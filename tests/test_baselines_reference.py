@@ -1,4 +1,4 @@
-"""The paper baselines (SPEC §5) against plain NumPy references written independently here.
+"""The paper baselines (docs/methods.md §5) against plain NumPy references written independently here.
 
 GRIFFIN and Probe Pruning run their plans directly (no engine); Wanda-sp and FLAP compare their
 calibration statistics, scores, kept channels, per-layer widths and bias with loops over
@@ -7,6 +7,7 @@ float64 copies. Selections must agree exactly, values within 1e-5.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,53 +17,15 @@ import pytest
 
 from popjax.methods import GRIFFIN, GRIFFINPlan, MethodError, ProbePruning, ProbePruningPlan
 from popjax.models import ModelConfig
+from tests import reference
+from tests.reference import as_jax, random_layer, ref_hidden, ref_rank
 
 ATOL = 1e-5
+# tokens of different norms: the baselines' token-normalised statistics must see them
+random_batch = functools.partial(reference.random_batch, varied_norms=True)
 
 
 # ------------------------------------------------------------------ shared reference helpers
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def ref_hidden(W, x):
-    """x [..., d] -> a = H [..., f] in float64."""
-    return silu(x @ W["gate"]) * (x @ W["up"])
-
-
-def ref_rank(scores):
-    """Indices by decreasing score, ties to the lower index."""
-    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
-
-
-def random_layer(rng, d, f):
-    return {
-        "gate": rng.normal(0, 0.3, (d, f)),
-        "up": rng.normal(0, 0.3, (d, f)),
-        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),
-    }
-
-
-def as_jax(W):
-    """Math layout (gate/up [d, f], down [f, d]) -> popjax's layer dict (HF [out, in] layout)."""
-    down = np.asarray(W["down"], np.float32)
-    return {
-        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
-        "down": jnp.asarray(down.T),
-        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
-    }
-
-
-def random_batch(rng, d, lengths, T, scale=None):
-    """Left-padded X [B, T, d] with per-token scales (so token norms differ) and huge padding."""
-    X = rng.normal(0, 1.0, (len(lengths), T, d)) * (scale if scale is not None else rng.uniform(0.3, 2.0, (len(lengths), T, 1)))
-    valid = np.zeros((len(lengths), T), bool)
-    for b, n in enumerate(lengths):
-        valid[b, T - n :] = True
-    X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak into statistics
-    return X, valid
 
 
 def jitted(plan):
@@ -334,18 +297,21 @@ def test_wanda_sp_statistic_matches_reference():
 def test_selection_plan_matches_reference():
     """Per-layer kept sets of different widths (padded inside) and a per-layer bias."""
     from popjax.methods import SelectionPlan
+    from popjax.methods.wanda_sp import selection_data
 
     rng = np.random.default_rng(4)
     d, f = 16, 32
     W = random_layer(rng, d, f)
     kept = (tuple(sorted(rng.choice(f, 20, replace=False).tolist())), tuple(sorted(rng.choice(f, 9, replace=False).tolist())))
     bias = tuple(tuple(float(b) for b in rng.normal(0, 1, d).astype(np.float32)) for _ in kept)
-    plan = SelectionPlan(f=f, n_keep=14, kept=kept, bias=bias)
+    plan = SelectionPlan(f=f, n_keep=14, n_max=20)
+    data = selection_data(kept, bias)  # the method's data, as generate passes it (w["data"])
+    assert data["kept"].shape == (2, 20) and data["bias"].shape == (2, d)
     assert plan.ffn_weights_read(d) == 3 * d * 20
     X, valid = random_batch(rng, d, [5, 2], T=5)
     x_t = rng.normal(0, 1.0, (2, 1, d))
     for layer in range(2):
-        w = {**as_jax(W), "layer": jnp.int32(layer)}
+        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
         y, state, _ = jax.jit(plan.prefill)(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
         y_t, _, _ = jax.jit(plan.decode)(w, state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
         k = list(kept[layer])

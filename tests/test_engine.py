@@ -90,12 +90,6 @@ def test_prefill_at_8192_tokens_holds_no_t_by_t_buffer(tiny_model):
     assert temp < t_by_t / 20, (temp, t_by_t)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
-
-
 def test_batch_buckets_compile_once_and_do_not_change_results(tiny_model):
     prompts = random_prompts(np.random.default_rng(3), [4, 9, 12, 7], tiny_model.config.vocab_size)
     four, _ = popjax.generate_ids(tiny_model, prompts, max_new_tokens=6, stop_ids=[])

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import popjax
+from popjax import cache
 from popjax.convert import CheckpointError
 from popjax.convert import store
 from popjax.models import ConfigError
@@ -23,12 +24,6 @@ def checkpoint_copy(tiny_checkpoints, tmp_path):
     target = tmp_path / "ckpt"
     shutil.copytree(source, target)
     return target
-
-
-@pytest.fixture
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 def _edit_tensors(directory: Path, edit) -> None:
@@ -163,12 +158,13 @@ def test_interrupted_conversion_leaves_no_cache_entry(checkpoint_copy, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         popjax.load(checkpoint_copy)
     converted = tmp_path / "cache" / "converted"
-    assert list(converted.iterdir()) == []  # neither an entry nor a temp directory is left
+    # neither an entry nor a temp directory is left (the key's lock file may stay: no one holds it)
+    assert [p for p in converted.iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.undo()
     monkeypatch.setenv("POPJAX_CACHE", str(tmp_path / "cache"))
     model = popjax.load(checkpoint_copy)  # the next load converts cleanly and caches
-    entries = list(converted.iterdir())
-    assert len(entries) == 1 and store.is_converted(entries[0])
+    entries = [e.path for e in cache.list_entries(tmp_path / "cache")]
+    assert len(entries) == 1 and entries[0].parent == converted and store.is_converted(entries[0])
     assert model.config.num_key_value_heads == 2
 
 
@@ -177,8 +173,32 @@ def test_converted_store_of_another_format_is_refused(checkpoint_copy, tmp_path,
     as if it were fused: the error names both formats and says to convert again."""
     monkeypatch.setenv("POPJAX_CACHE", str(tmp_path / "cache"))
     popjax.load(checkpoint_copy)
-    (directory,) = (tmp_path / "cache" / "converted").iterdir()
+    (directory,) = [e.path for e in cache.list_entries(tmp_path / "cache")]
     marker = directory / store.MARKER
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "format_version": 2}))
     with pytest.raises(ValueError, match=rf"popjax format 2, this popjax reads {store.FORMAT_VERSION}; convert the source again"):
         popjax.load(directory)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batches", "-1"], "batches=[-1]: -1 is invalid; give integers ≥ 1, e.g. 1,8"),
+        (["--batches", "1,0"], "batches=[1, 0]: 0 is invalid"),
+        (["--ratios", "1.5"], "ratios=[1.5]: 1.5 is invalid; give global pruning ratios in [0, 1)"),
+        (["--methods", "pop,bogus"], "unknown method 'bogus'; valid methods: ["),
+        (["--methods", "pop,"], "methods=['pop', '']: a method name is empty"),
+        (["--length-methods", "nope"], "unknown method 'nope'"),
+        (["--prompt-lengths", "128,0"], "prompt_lengths=[128, 0]: 0 is invalid; give integers in [1, 8192]"),
+        (["--suites", "decode,speed"], "suites=['decode', 'speed']: 'speed' is not a suite; choose from decode, lengths,"),
+        (["--max-new-tokens", "1"], "max_new_tokens=1 is invalid; decode speed needs an integer in [2, "),
+        (["--repeats", "0"], "repeats=0 is invalid; use an integer ≥ 1"),
+    ],
+)
+def test_bench_rejects_bad_values_before_loading(flags, message, monkeypatch, capsys):
+    from popjax.cli import main
+
+    monkeypatch.setattr("popjax.bench.runner.load", lambda *a, **k: pytest.fail("loaded a model for an invalid request"))
+    assert main(["bench", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("popjax: error: ") and message in err and err.count("\n") == 1, err  # one line

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import popjax
-from popjax.eval.data import humaneval_problems
+from popjax.data import humaneval_problems
 from popjax.eval.sandbox import run_python
 from popjax.eval.tasks import HumanEvalSettings, run_problems, truncate_completion
 from popjax.eval.teacher import teacher_forced

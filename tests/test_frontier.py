@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -201,13 +202,13 @@ def test_default_sweep_and_batch_semantics():
     by_name = {m.name: m for m in methods.values()}
     assert by_name["static"].aggregate == "per_sequence" and by_name["teal"].aggregate == "per_token"
     assert nll_batch_size(by_name["bwap"], 8) == 1 and nll_batch_size(by_name["teal"], 8) == 8
-    assert nll_batch_size(by_name["wanda_sp"], 8) == 8  # a fixed selection: batch-independent
+    assert nll_batch_size(by_name["wanda-sp"], 8) == 8  # a fixed selection: batch-independent
     (_, shared), = configurations(["pop:aggregate=shared"], [0.2])[1:]
     assert shared.aggregate == "shared" and nll_batch_size(shared, 8) == 1  # the spec wins; batch-1 semantics kept
 
 
 def test_cli_writes_json_report_and_plots(model, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("popjax.loading.load", lambda *a, **k: model)
+    monkeypatch.setattr("popjax.cli.frontier.load", lambda *a, **k: model)
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     bench = tmp_path / "bench.json"
@@ -216,10 +217,9 @@ def test_cli_writes_json_report_and_plots(model, tmp_path, monkeypatch, capsys):
     base = ["frontier", "--text-file", str(text), "--nll-prompt-tokens", str(P), "--nll-decode-tokens", str(N),
             "--nll-windows", "2", "--batch-size", "2", "--ratios", "0.4"]
     argv = base + ["--methods", "static", "--no-xla", "--bench", str(bench), "--json", str(js), "--out", str(out)]
-    monkeypatch.setattr("sys.argv", ["popjax", *argv])  # the report and the JSON name the command
     assert cli_main(argv) == 0
     payload = json.loads(js.read_text())
-    assert payload["command"].startswith("popjax frontier") and [r["method"] for r in payload["records"]] == ["dense", "static"]
+    assert payload["command"] == "popjax " + shlex.join(argv)  # the report and the JSON name the command main() ran and [r["method"] for r in payload["records"]] == ["dense", "static"]
     assert payload["records"][1]["decode_tokens_per_s"] == 90.0 and payload["records"][1]["pareto"]
     report = (out / "report.md").read_text()
     assert "# popjax frontier" in report and "1 of 2 configurations measured" in report

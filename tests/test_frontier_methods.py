@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import popjax
-from popjax.methods import MethodError, POPPlan, make_method
-from popjax.methods.gate_scored import GateScoredPlan, GateScoredPOP
-from popjax.methods.layer_bands import BandDrift, LayerBandsPlan, LayerBandsPOP, allocate_bands, prompt_drift
-from popjax.methods.low_rank import LowRankPlan, LowRankPOP, factors_from_weights, lowrank_factors
+from popjax.methods import MethodError, POPPlan, make_method, method_fields
+from popjax.methods.pop.gate_scored import GateScoredPlan, GateScoredPOP
+from popjax.methods.pop.layer_bands import BandDrift, LayerBandsPlan, LayerBandsPOP, allocate_bands, prompt_drift
+from popjax.methods.pop.low_rank import LowRankPlan, LowRankPOP, factors_from_weights, lowrank_data, lowrank_factors
 from popjax.models.config import ModelConfig
 
 ATOL = 1e-5
@@ -101,14 +101,16 @@ def random_layer(rng, d, f):
     }
 
 
-def as_jax(W, layer=0):
+def as_jax(W, layer=0, data=None):
+    """A layer's weights as the engine passes them; ``data``: the method's calibrated data (w["data"])."""
     down = np.asarray(W["down"], np.float32)
-    return {
+    w = {
         "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
         "down": jnp.asarray(down.T),
         "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
         "layer": jnp.int32(layer),
     }
+    return w if data is None else {**w, "data": data}
 
 
 def random_batch(rng, d, lengths, T):
@@ -139,10 +141,10 @@ def jitted(plan):
     return jax.jit(plan.prefill), jax.jit(plan.decode)
 
 
-def run_and_compare(plan, W, X, valid, aggregate, m, ref_step, steps=3, seed=0, layer=0):
+def run_and_compare(plan, W, X, valid, aggregate, m, ref_step, steps=3, seed=0, layer=0, data=None):
     """Prefill + ``steps`` decode steps of ``plan`` against the reference, group by group."""
     rng = np.random.default_rng(seed)
-    w = as_jax(W, layer)
+    w = as_jax(W, layer, data)
     prefill, decode = jitted(plan)
     y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
     parts = {}
@@ -187,7 +189,7 @@ def test_gate_scored_over_all_channels_is_dynamic_by_gate_score():
     rng = np.random.default_rng(3)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [6, 4], T=6)
-    plan = GateScoredPOP(0.0, gamma=1.0).plan_class(f=f, n_keep=n_keep, m=32)
+    plan = GateScoredPlan(f=f, n_keep=n_keep, m=32)
     assert (plan.n_retained, plan.n_candidates) == (0, f)
     w = as_jax(W)
     prefill, decode = jitted(plan)
@@ -215,10 +217,11 @@ def test_gate_scored_reads_pops_bytes_at_twice_the_band():
 
 
 def lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate, layers=1):
+    """-> (plan, m, the factors as the method's data)."""
     Ws = [W] * layers
     factors = factors_from_weights([np.stack([w["gate"].T, w["up"].T]) for w in Ws], rank)
     _, _, m = sizes(f, n_keep, gamma)
-    return LowRankPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project, factors=factors), m
+    return LowRankPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project), m, lowrank_data(factors)
 
 
 @pytest.mark.parametrize("project", ["gate_up", "gate"])
@@ -228,9 +231,10 @@ def test_lowrank_matches_reference(f, n_keep, gamma, rank, aggregate, project):
     rng = np.random.default_rng(f + n_keep + rank)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [5, 8], T=8)
-    plan, m = lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate)
+    plan, m, data = lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate)
+    assert plan.requires_data
     step = lambda W_, R, C, x, m_: ref_lowrank_step(W_, R, C, x, m_, rank, project)
-    run_and_compare(plan, W, X, valid, aggregate, m, step)
+    run_and_compare(plan, W, X, valid, aggregate, m, step, data=data)
     k = 2 if project == "gate_up" else 1
     want = 3 * D * n_keep + (k * rank * (D + 2 * m) if m else 0)
     assert plan.ffn_weights_read(D) == want
@@ -241,9 +245,9 @@ def test_lowrank_at_full_rank_gives_pops_exact_scores():
     rng = np.random.default_rng(11)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [7, 4], T=7)
-    plan, m = lowrank_plan(W, f, n_keep, gamma, D, "gate_up", "shared")  # rank = min(d, f)
+    plan, m, data = lowrank_plan(W, f, n_keep, gamma, D, "gate_up", "shared")  # rank = min(d, f)
     pop = POPPlan(f=f, n_keep=n_keep, m=m)
-    w = as_jax(W)
+    w = as_jax(W, data=data)
     args = (jnp.asarray(X, jnp.float32), jnp.asarray(valid))
     (p_low, d_low), (p_pop, d_pop) = jitted(plan), jitted(pop)
     (_, s_low, _), (_, s_pop, _) = p_low(w, *args), p_pop(w, *args)
@@ -269,11 +273,13 @@ def test_lowrank_bad_rank_is_an_error_naming_it(rank):
             factors_from_weights([np.stack([W["gate"].T, W["up"].T])], 17)
 
 
-@pytest.mark.parametrize("name", ["pop-gate", "pop-lowrank"])
-def test_sharded_partition_is_refused(name):
-    if "partition" not in popjax.methods.method_fields("pop"):
-        pytest.skip("this POP has no partition option")
-    with pytest.raises(MethodError, match="partition='per_shard'"):
+@pytest.mark.parametrize("name", ["pop-gate", "pop-lowrank", "pop-shortlist", "pop-bands"])
+def test_pop_presets_take_only_the_options_they_implement(name):
+    """POP's partition and weights options are POP's own (its exact scorer): the other presets
+    do not take them, rather than take them and refuse them at run time."""
+    assert {"partition", "shards", "weights"} <= method_fields("pop")
+    assert not {"partition", "shards", "weights"} & method_fields(name)
+    with pytest.raises(MethodError, match="partition"):
         make_method(name, ratio=0.2, partition="per_shard")
 
 
@@ -385,7 +391,7 @@ def test_layer_bands_errors():
         LayerBandsPOP(0.2).with_drift([0.1, 0.2]).bind(cfg)
     with pytest.raises(MethodError, match="drift="):
         LayerBandsPOP(0.2).with_drift([0.1, -1.0, 0.2])
-    from popjax.methods.layer_bands import BandAllocation
+    from popjax.methods.pop.layer_bands import BandAllocation
 
     with pytest.raises(MethodError, match="POP's budget"):
         LayerBandsPOP(0.2, gamma=0.1, allocation=BandAllocation((10, 10, 10))).bind(cfg)  # m = 5

@@ -1,10 +1,12 @@
-"""Calibrated KV projections for Prefill-Only Pruning (popjax.kv_calibration) on tiny 4-layer models.
+"""Calibrated KV projections for Prefill-Only Pruning (popjax.methods.prefill_only) on tiny 4-layer models.
 
 The NumPy references take the residual streams from the transformers model (hidden_states), not
 from popjax: with the last layers skipped, every skipped layer's prefill input is the full
 model's input of the first skipped layer (the layers before it are causal and unchanged)."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,12 @@ import torch
 import transformers
 
 import popjax
-from popjax import engine, kv_calibration as kvc, kv_store
+from popjax import cache, engine
+from popjax.methods.prefill_only import calibrate as calibrate_module, kv_store
+from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.calibration import Corpus
 from popjax.generation import pad_batch
-from popjax.kv_drift import kv_drift
+from popjax.eval.kv_drift import kv_drift
 from popjax.methods import MethodError
 from tests.conftest import TINY_BASE, TINY_CONFIGS, random_prompts
 
@@ -138,7 +142,7 @@ def cos_rows(a, b):
 def test_identity_skipped_layers_keep_the_original_projections(models, name, method, ridge):
     model, hf = models(name, identity=SKIP)
     options = dict(steps=3) if method == "optax" else {}
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), ridge=ridge, method=method, cache=False, **options)
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), ridge=ridge, method=method, cache=False, **options)
     assert cal.skip == SKIP
     for layer in SKIP:
         w, b = kv_rows(hf, layer)
@@ -156,7 +160,7 @@ def test_identity_skipped_layers_keep_the_original_projections(models, name, met
 def test_closed_form_equals_numpy_least_squares(models, name, ridge):
     model, hf = models(name)
     data = corpus(8)  # 256 tokens > d + 1 = 65 unknowns
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=data, ridge=ridge, cache=False)
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=data, ridge=ridge, cache=False)
     hs = hidden_states(hf, data.windows)
     d = TINY_BASE["hidden_size"]
     for layer in SKIP:
@@ -188,7 +192,7 @@ def test_closed_form_equals_numpy_least_squares(models, name, ridge):
 
 def test_optax_loss_decreases_monotonically_on_a_fixed_batch(models):
     model, _ = models("llama-gqa")
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), method="optax", steps=12,
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), method="optax", steps=12,
                            learning_rate=2e-3, weight_decay=0.0, batch_size=4, cache=False)
     loss = np.array(cal.fit["loss"])
     assert len(loss) == 12 and loss[0] > 1e-4
@@ -202,12 +206,12 @@ def test_optax_loss_decreases_monotonically_on_a_fixed_batch(models):
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
 def test_calibrated_prefill_caches_equal_a_numpy_projection(models, name):
     model, hf = models(name)
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), ridge=0.1, cache=False)
-    calibrated = kvc.with_prefill_kv(model, cal)
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), ridge=0.1, cache=False)
     prompts = random_prompts(np.random.default_rng(5), [7, 12], model.config.vocab_size)
     tokens, mask = pad_batch(prompts, 0)
-    method = popjax.PrefillOnly(skip=list(SKIP), kv="calibrated")
-    _, caches, _, _ = engine.prefill(calibrated.graphdef, calibrated.params, jnp.asarray(tokens), jnp.asarray(mask), method.bind(model.config))
+    method = popjax.PrefillOnly(skip=list(SKIP), kv="calibrated", kv_calibration=cal)
+    _, caches, _, _ = engine.prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), method.bind(model.config),
+                                     data=method.data(model))
     cfg, T = model.config, tokens.shape[1]
     for row, ids in enumerate(prompts):
         n = len(ids)
@@ -223,21 +227,25 @@ def test_calibrated_prefill_caches_equal_a_numpy_projection(models, name):
 
 
 def test_decode_and_other_methods_ignore_the_calibrated_weights(models):
-    """The calibrated weights are read only by kv="calibrated" prefill: dense and the independent
-    projection (whose boundary step runs the decode path over the prefilled caches) are unchanged."""
+    """The calibrated weights are read only by kv="calibrated" prefill: given to dense or to the
+    independent projection (whose boundary step runs the decode path over the prefilled caches)
+    they change nothing; through generate the calibrated method runs from its own data."""
     model, _ = models("llama-gqa")
-    calibrated = kvc.with_prefill_kv(model, kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache=False))
+    calibrated = popjax.PrefillOnly(skip=list(SKIP), kv="calibrated",
+                                    kv_calibration=calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache=False))
+    data = calibrated.data(model)
     prompts = random_prompts(np.random.default_rng(6), [9, 14], model.config.vocab_size)
     tokens, mask = (jnp.asarray(a) for a in pad_batch(prompts, 0))
     for method in (popjax.Dense(), popjax.PrefillOnly(skip=list(SKIP))):
         plan = method.bind(model.config)
-        got = engine.prefill(calibrated.graphdef, calibrated.params, tokens, mask, plan)
+        got = engine.prefill(model.graphdef, model.params, tokens, mask, plan, data=data)
         want = engine.prefill(model.graphdef, model.params, tokens, mask, plan)
         for a, b in zip(jax.tree_util.tree_leaves(got[:2]), jax.tree_util.tree_leaves(want[:2])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    ours = popjax.generate_ids(calibrated, prompts, 4, method=popjax.PrefillOnly(skip=list(SKIP), kv="calibrated"), stop_ids=[])[0]
+    ours = popjax.generate_ids(model, prompts, 4, method=calibrated, stop_ids=[])[0]
     assert [len(row) for row in ours] == [4, 4]
-    assert kvc.without_prefill_kv(calibrated).graphdef == model.graphdef
+    independent = popjax.generate_ids(model, prompts, 4, method=popjax.PrefillOnly(skip=list(SKIP)), stop_ids=[])[0]
+    assert [len(row) for row in independent] == [4, 4]
 
 
 # ------------------------------------------------------------------ files
@@ -246,9 +254,9 @@ def test_decode_and_other_methods_ignore_the_calibrated_weights(models):
 def test_cached_and_saved_projections_reload_bit_exact(models, tmp_path, monkeypatch):
     model, _ = models("qwen2-bias")
     data = corpus(4)
-    first = kvc.calibrate_kv(model, skip=list(SKIP), prompts=data, cache_dir=tmp_path / "cache")
-    monkeypatch.setattr(kvc, "fit_closed_form", lambda *a, **k: pytest.fail("refitted instead of loading"))
-    again = kvc.calibrate_kv(model, skip=list(SKIP), prompts=data, cache_dir=tmp_path / "cache")
+    first = calibrate_kv(model, skip=list(SKIP), prompts=data, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(calibrate_module, "fit_closed_form", lambda *a, **k: pytest.fail("refitted instead of loading"))
+    again = calibrate_kv(model, skip=list(SKIP), prompts=data, cache_dir=tmp_path / "cache")
     saved = kv_store.save_kv_calibration(first, tmp_path / "saved")
     loaded = kv_store.load_kv_calibration(saved, skip=list(SKIP), model=model)
     for cal in (again, loaded):
@@ -257,19 +265,33 @@ def test_cached_and_saved_projections_reload_bit_exact(models, tmp_path, monkeyp
             for a, b in ((cal.weights[layer], first.weights[layer]), (cal.biases[layer], first.biases[layer])):
                 assert a.dtype == b.dtype == np.float32
                 np.testing.assert_array_equal(a, b)
-    # another skip set is another cache entry
+    # a popjax.cache entry (`popjax cache list` shows it); another skip set is another entry
+    (entry,) = cache.list_entries(tmp_path / "cache")
+    assert entry.kind == kv_store.KIND and entry.path == kv_store.cache_path(first.key, tmp_path / "cache")
+    assert entry.key_fields == first.key and (entry.path / kv_store.RECORD).is_file()
     assert kv_store.cache_path({**first.key, "skip": [3]}, tmp_path) != kv_store.cache_path(first.key, tmp_path)
 
 
-def test_a_corrupt_cache_entry_is_refitted(models, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["record", "arrays"])
+def test_a_corrupt_cache_entry_is_refitted(models, tmp_path, caplog, damage):
     model, _ = models("llama-gqa")
-    first = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache_dir=tmp_path)
+    first = calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache_dir=tmp_path)
     path = kv_store.cache_path(first.key, tmp_path)
-    record = path / kv_store.RECORD
-    record.write_text(record.read_text().replace('"checksum": "', '"checksum": "0'))
-    again = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache_dir=tmp_path)
-    assert "fails its checksum" in caplog.text
+    if damage == "record":
+        record = path / kv_store.RECORD
+        record.write_text(record.read_text().replace('"checksum": "', '"checksum": "0'))
+    else:  # flip a byte of the largest orbax file
+        data = max((p for p in (path / "arrays").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        again = calibrate_kv(model, skip=list(SKIP), prompts=corpus(4), cache_dir=tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "fails its checksum" in warnings[0] and str(path) in warnings[0], warnings
+    assert "\n" not in warnings[0]  # a one-line notice
     np.testing.assert_array_equal(again.weights[2], first.weights[2])
+    assert cache.check_entry(path) is None and cache.list_entries(tmp_path)[0].path == path
 
 
 # ------------------------------------------------------------------ drift
@@ -296,7 +318,7 @@ def test_drift_matches_numpy_and_is_one_for_identity_layers(models):
             np.testing.assert_allclose(report[name][i], np.mean(values), rtol=0, atol=1e-5)
     assert report["attn"][0] == pytest.approx(1.0) and report["attn"][1] < 0.999  # the first skipped layer does not drift
     identity, _ = models("llama-gqa", identity=SKIP)
-    cal = kvc.calibrate_kv(identity, skip=list(SKIP), prompts=corpus(4), cache=False)
+    cal = calibrate_kv(identity, skip=list(SKIP), prompts=corpus(4), cache=False)
     same = kv_drift(identity, list(SKIP), prompts=data, calibration=cal)
     for name in ("hidden", "k", "v", "k_cal", "v_cal"):  # (attention outputs are 0 there: o_proj is zero)
         np.testing.assert_allclose(same[name], 1.0, atol=1e-5)
@@ -305,7 +327,7 @@ def test_drift_matches_numpy_and_is_one_for_identity_layers(models):
 def test_calibration_improves_drift_on_its_own_data(models):
     model, _ = models("llama-gqa")
     data = corpus(8)
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=data, ridge=0.0, cache=False)
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=data, ridge=0.0, cache=False)
     report = kv_drift(model, list(SKIP), prompts=data, calibration=cal)
     for name in ("k", "v", "attn"):  # layer 3 drifts (layer 2, the first skipped, sees the full model's input)
         assert report[name + "_cal"][1] > report[name][1] + 0.01, report
@@ -333,18 +355,18 @@ def test_bad_calibration_input(models, options, message):
     model, _ = models("llama-gqa")
     options = {"skip": list(SKIP), "prompts": corpus(2), "cache": False, **options}
     with pytest.raises(MethodError, match=message):
-        kvc.calibrate_kv(model, **options)
+        calibrate_kv(model, **options)
 
 
 def test_bias_model_counts_the_bias_column(models):
     model, _ = models("qwen2-bias")
     with pytest.raises(MethodError, match=r"fewer than the 65 unknowns per output \(hidden size 64 \+ 1 bias column\)"):
-        kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(2), ridge=0.0, cache=False)
+        calibrate_kv(model, skip=list(SKIP), prompts=corpus(2), ridge=0.0, cache=False)
 
 
 def test_a_calibration_for_another_skip_set_or_model_is_refused(models, tmp_path):
     model, _ = models("llama-gqa")
-    cal = kvc.calibrate_kv(model, skip=list(SKIP), prompts=corpus(2), cache=False)
+    cal = calibrate_kv(model, skip=list(SKIP), prompts=corpus(2), cache=False)
     path = kv_store.save_kv_calibration(cal, tmp_path / "cal")
     with pytest.raises(MethodError, match=r"fitted for skipped layers \[2, 3\], not skip=\[3\] \(layers \[3\]\)"):
         kv_store.load_kv_calibration(path, skip=[3])
@@ -354,14 +376,19 @@ def test_a_calibration_for_another_skip_set_or_model_is_refused(models, tmp_path
     with pytest.raises(MethodError, match=r"was fitted for model .*, not this one"):
         kv_store.load_kv_calibration(path, model=other)
     with pytest.raises(MethodError, match=r"the calibration was fitted for model .*, not this one"):
-        kvc.with_prefill_kv(other, cal)
+        popjax.PrefillOnly(skip=list(SKIP), kv="calibrated", kv_calibration=cal).prepare(other)
     with pytest.raises(FileExistsError, match="already exists"):
         kv_store.save_kv_calibration(cal, path)
-    calibrated = kvc.with_prefill_kv(model, cal)
     prompt = [[5, 6, 7, 8]]
-    with pytest.raises(ValueError, match=r"fitted for skipped layers \[2, 3\], but this plan skips \[3\]"):
-        popjax.generate_ids(calibrated, prompt, 2, method=popjax.PrefillOnly(skip=[3], kv="calibrated"))
-    with pytest.raises(ValueError, match=r"layer 2 is skipped with kv='calibrated' but the model has no calibrated KV projection"):
-        popjax.generate_ids(model, prompt, 2, method=popjax.PrefillOnly(skip=list(SKIP), kv="calibrated"))
+    with pytest.raises(MethodError, match=r"fitted for skipped layers \[2, 3\], but this method skips \[3\]"):
+        popjax.generate_ids(model, prompt, 2, method=popjax.PrefillOnly(skip=[3], kv="calibrated", kv_calibration=cal))
+    unprepared = popjax.PrefillOnly(skip=list(SKIP), kv="calibrated")
+    with pytest.raises(MethodError, match=r"PrefillOnly\(kv='calibrated'\) is not prepared"):
+        unprepared.data(model)
+    tokens, mask = (jnp.asarray(a) for a in pad_batch(prompt, 0))
+    with pytest.raises(ValueError, match=r"the prefill-only plan reads its method's calibrated data, and none was given"):
+        engine.prefill(model.graphdef, model.params, tokens, mask, unprepared.bind(model.config))
+    with pytest.raises(MethodError, match=r"kv_calibration is given but kv='none'"):
+        popjax.PrefillOnly(skip=list(SKIP), kv="none", kv_calibration=cal)
     with pytest.raises(MethodError, match=r"kv='fitted' is not one of \('independent', 'calibrated', 'none'\)"):
         popjax.PrefillOnly(kv="fitted")

@@ -1,4 +1,4 @@
-"""Virtual-gate layer importance (SPEC §4): exact gates, correct gradients, response-only loss,
+"""Virtual-gate layer importance (docs/methods.md §9): exact gates, correct gradients, response-only loss,
 per-sample squares, one compile per shape, and the report/CLI around it."""
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ import pytest
 
 import popjax
 from popjax import engine
-from popjax import layer_importance as li
+from popjax.analysis import layer_importance as li
+from popjax.cli import analyze_layers as analyze_layers_command
 from tests.conftest import random_prompts
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -215,15 +210,15 @@ def test_table_plot_and_cli_parser(tmp_path):
     li.plot(result, tmp_path / "p" / "importance.png")
     assert (tmp_path / "p" / "importance.png").stat().st_size > 1000
     parser = argparse.ArgumentParser()
-    li.register_cli(parser.add_subparsers(dest="command"))
+    analyze_layers_command.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["analyze-layers", "--samples", "7", "--response-tokens", "5", "--json", "x.json"])
-    assert (args.samples, args.response_tokens, args.json, args.run) == (7, 5, "x.json", li._cmd_analyze_layers)
+    assert (args.samples, args.response_tokens, args.json, args.run) == (7, 5, "x.json", analyze_layers_command.run)
 
 
 def test_cli_rejects_zero_samples_before_loading(monkeypatch):
-    monkeypatch.setattr(popjax, "load", lambda *a, **k: pytest.fail("loaded a model for an invalid request"))
+    monkeypatch.setattr(analyze_layers_command, "load", lambda *a, **k: pytest.fail("loaded a model for an invalid request"))
     parser = argparse.ArgumentParser()
-    li.register_cli(parser.add_subparsers(dest="command"))
+    analyze_layers_command.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["analyze-layers", "--samples", "0"])
     with pytest.raises(ValueError, match="samples=0"):
         args.run(args)

@@ -264,16 +264,16 @@ def test_unknown_model_args_are_named_with_the_valid_ones(model, converted):
 
 
 def test_default_aggregates_make_scores_batch_independent_where_the_method_allows():
-    from popjax.eval.lm_eval_adapter import batch_independent, build_method
+    from popjax.eval.lm_eval_adapter import build_method
 
     teal = build_method("teal", {"ratio": 0.2})
-    assert teal.aggregate == "per_token" and batch_independent(teal)
+    assert teal.aggregate == "per_token" and teal.batch_independent
     bwap = build_method("bwap", {"ratio": 0.2})  # aggregates over the batch in every mode
-    assert bwap.aggregate == "max" and not batch_independent(bwap)
+    assert bwap.aggregate == "max" and not bwap.batch_independent
     shared = build_method("pop", {"ratio": 0.2, "aggregate": "shared"})
-    assert shared.aggregate == "shared" and not batch_independent(shared)
+    assert shared.aggregate == "shared" and not shared.batch_independent
     composed = build_method("prefill-only+pop", {"ratio": 0.2, "kv": "none"})
-    assert composed.mlp_method.aggregate == "per_sequence" and batch_independent(composed)
+    assert composed.mlp_method.aggregate == "per_sequence" and composed.batch_independent
     with pytest.raises(ValueError, match=r"\['colour'\].*'kv'.*'ratio'"):
         build_method("prefill-only+pop", {"colour": "red"})
 

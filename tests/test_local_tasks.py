@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import popjax
-from popjax.eval.data import DEV_PLAY, load_play
+from popjax.data import DEV_PLAY, load_play
 from popjax.eval.harness import EvalSettings, evaluate
 from popjax.eval.local_tasks import CHOICES, is_verse, next_line_documents, play_lines, write_task
 

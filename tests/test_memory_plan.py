@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import popjax
-from popjax.memory_plan import memory_plan, parse_mesh, published_configs, resolve_config
+from popjax.analysis.memory_plan import memory_plan, parse_mesh, published_configs, resolve_config
 from popjax.models.config import ConfigError, ModelConfig
 from popjax.generation import GenerationRequest
 from popjax.sharding import make_mesh

@@ -1,4 +1,4 @@
-"""POP, static and dynamic against a plain NumPy reference of SPEC §2, written independently here.
+"""POP, static and dynamic against a plain NumPy reference of docs/methods.md §2, written independently here.
 
 The reference uses loops and argsort on float64 copies; popjax runs fp32 JAX. Partitions and
 selections must agree exactly, outputs within 1e-5.
@@ -13,36 +13,12 @@ import numpy as np
 import pytest
 
 from popjax.methods import DynamicPlan, POPPlan, StaticPlan
+from tests.reference import as_jax, random_batch, random_layer, ref_down_norms, ref_hidden, ref_rank, ref_sizes
 
 ATOL = 1e-5
 
 
 # ------------------------------------------------------------------ the NumPy reference
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def ref_sizes(f: int, n_keep: int, gamma: float) -> tuple[int, int, int]:
-    """-> (n_R, n_C, m) as in SPEC §2."""
-    m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)
-    return n_keep - m, 2 * m, m
-
-
-def ref_hidden(W, x):
-    """x [..., d] -> H [..., f], with float64 arithmetic."""
-    return silu(x @ W["gate"]) * (x @ W["up"])
-
-
-def ref_down_norms(W):
-    f = W["down"].shape[0]
-    return np.array([math.sqrt(sum(v * v for v in W["down"][j])) for j in range(f)])
-
-
-def ref_rank(scores):
-    """Indices by decreasing score, ties to the lower index."""
-    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
 
 
 def ref_prefill(W, X, valid, n_keep, m):
@@ -84,34 +60,6 @@ def ref_dynamic_decode(W, x, n_keep):
 
 
 # ------------------------------------------------------------------ fixtures
-
-
-def random_layer(rng, d, f):
-    W = {
-        "gate": rng.normal(0, 0.3, (d, f)),
-        "up": rng.normal(0, 0.3, (d, f)),
-        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),  # outputs O(1)
-    }
-    return W
-
-
-def as_jax(W):
-    """Math layout (gate/up [d, f], down [f, d]) -> popjax's layer dict (HF [out, in] layout)."""
-    down = np.asarray(W["down"], np.float32)
-    return {
-        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),  # [2, f, d]
-        "down": jnp.asarray(down.T),  # [d, f]
-        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
-    }
-
-
-def random_batch(rng, d, lengths, T):
-    X = rng.normal(0, 1.0, (len(lengths), T, d))
-    valid = np.zeros((len(lengths), T), bool)
-    for b, n in enumerate(lengths):
-        valid[b, T - n :] = True  # left padding
-    X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak into statistics
-    return X, valid
 
 
 # (f, n_keep, gamma): ordinary, ratio 0, m clamped by f − n_keep, m clamped by n_keep, tiny f, gamma 0

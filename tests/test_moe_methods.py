@@ -12,16 +12,17 @@ import pytest
 from flax import nnx
 
 import popjax
-from popjax import calibration, engine, kv_calibration
+from popjax import calibration, engine
+from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.calibration import Corpus, Statistic, calibrate, collect
 from popjax.convert import convert as conv
 from popjax.generation import pad_batch
 from popjax.loading import build_model
 from popjax.methods import METHODS, MethodError, make_method
 from popjax.methods.flap import ActivationMoments, flap_selection, layer_floor
-from popjax.methods.layer_bands import BandDrift
-from popjax.methods.teal import AbsHistograms, Thresholds, block_quantiles
-from popjax.methods.wanda_sp import ChannelSelection, SelectionPlan, WandaSPInOrder
+from popjax.methods.pop.layer_bands import BandDrift
+from popjax.methods.teal import AbsHistograms, Thresholds, block_quantiles, thresholds_data
+from popjax.methods.wanda_sp import ChannelSelection, SelectionPlan, WandaSPInOrder, selection_data
 from popjax.models.config import ModelConfig
 from popjax.models.moe import moe_mlp
 
@@ -74,7 +75,7 @@ def _corpus(windows: int = 6, window: int = 16) -> Corpus:
 
 # ---------------------------------------------------------------- the registry on MoE models
 
-CALIBRATED = ("teal", "cats", "wanda_sp", "flap")
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap")
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +111,11 @@ def test_every_method_runs_per_expert(name, models, ready):
     gathers the routed experts."""
     model, _ = models("qwen2_moe")
     tokens, mask = pad_batch(PROMPTS["qwen2_moe"], 0)
-    plan = ready(name).bind(model.config)
+    method = ready(name)
+    plan = method.bind(model.config)
     targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
     nll, _, rec = engine.teacher_force(model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), targets,
-                                       record=("experts", "shared", "router_topk"))
+                                       record=("experts", "shared", "router_topk"), data=method.data(model))
     assert np.all(np.isfinite(np.asarray(nll)))
     assert rec["router_topk"].shape == (3, 2, 2, 1, 2)  # [N, L, B, 1, k]; the dense layer's are zeros
     assert not np.any(rec["router_topk"][:, 1])
@@ -165,18 +167,18 @@ def test_unusable_cases_fail_with_clear_errors(models):
     model, _ = models("qwen3_moe")
     with pytest.raises(MethodError, match=r"rank=64 exceeds min\(d, f\)"):  # the default rank, expert width 16
         make_method("pop-lowrank").prepare(model)
-    with pytest.raises(MethodError, match=r"prune_model: wanda_sp cannot write a pruned checkpoint of a mixture-of-experts model \(qwen3_moe\)"):
+    with pytest.raises(MethodError, match=r"prune_model: wanda-sp cannot write a pruned checkpoint of a mixture-of-experts model \(qwen3_moe\)"):
         popjax.pruned.prune_model(model, popjax.WandaSP(0.2))
     dense_thresholds = Thresholds((("gate", 0.45),), (("gate", (0.1,)),))  # one per layer: a dense model's
     with pytest.raises(MethodError, match=r"thresholds for 'gate' have shape \(1,\); this qwen3_moe model needs \(1, 4\)"):
         popjax.CATS(ffn_sparsity=0.45, thresholds=dense_thresholds).bind(model.config)
     n_keep = popjax.WandaSP(0.2).n_keep(model.config)
-    per_layer = ChannelSelection("wanda_sp", 0.2, (tuple(range(n_keep)),))  # a dense model's: one entry per layer
+    per_layer = ChannelSelection("wanda-sp", 0.2, (tuple(range(n_keep)),))  # a dense model's: one entry per layer
     with pytest.raises(MethodError, match=r"for 1 layers; this model has 1 layers × 4 FFN block slots: calibrate again"):
         popjax.WandaSP(0.2, selection=per_layer).bind(model.config)
     with pytest.raises(MethodError, match=r"drift has 1 entries, the model has 1 layers × 4 FFN block slots"):
         popjax.LayerBandsPOP(0.2).with_drift([0.1]).bind(model.config)
-    factors = popjax.methods.low_rank.factors_from_weights([np.ones((2, 16, 32))], 4)  # one layer's, not per block
+    factors = popjax.methods.pop.low_rank.factors_from_weights([np.ones((2, 16, 32))], 4)  # one layer's, not per block
     with pytest.raises(MethodError, match=r"do not fit this model \(layers × block slots, d, rank, f\) = \(4, 32, 4, 16\)"):
         popjax.LowRankPOP(0.2, rank=4, factors=factors).bind(model.config)
 
@@ -303,7 +305,7 @@ def test_flap_moments_per_expert_match_numpy(models, ready, inputs):
 
 def test_wanda_sp_in_order_per_expert_matches_numpy(models, ready):
     model, hf = models("qwen2_moe")
-    method = ready("wanda_sp")
+    method = ready("wanda-sp")
     n_keep = method.n_keep(model.config)
     sums = collect(model, WandaInputs(n_keep=n_keep), _corpus(), batch_size=6)  # one batch, as Wanda-sp runs
 
@@ -421,9 +423,11 @@ def test_selection_plan_uses_each_blocks_channels_and_bias(models):
     S, f, d = 11, 16, 32
     kept = [tuple(sorted(rng.choice(f, size=int(rng.integers(4, 13)), replace=False).tolist())) for _ in range(2 * S)]
     bias = rng.normal(size=(2 * S, d))
-    plan = SelectionPlan(f=f, n_keep=8, kept=tuple(kept), bias=tuple(map(tuple, bias.astype(np.float32))), blocks=S)
+    plan = SelectionPlan(f=f, n_keep=8, n_max=max(map(len, kept)), blocks=S)
+    data = selection_data(kept, bias.astype(np.float32), blocks=S)
     x = rng.normal(size=(2, 5, d))
-    y, _, _ = _layer_fn(model, lambda w, s, x, routed=None: plan.prefill(w, x, None), None, jnp.asarray(x, jnp.float32))
+    y, _, _ = _layer_fn(model, lambda w, s, x, routed=None: plan.prefill({**w, "data": data}, x, None), None,
+                        jnp.asarray(x, jnp.float32))
     ffns = _slot_ffns(model, hf, 0)
 
     def block(slot, idx):
@@ -438,11 +442,11 @@ def test_teal_decode_uses_each_experts_thresholds(models):
     model, hf = models("qwen3_moe")
     rng = np.random.default_rng(4)
     t_x, t_h = rng.uniform(0.2, 0.8, size=(1, 4)), rng.uniform(0.01, 0.1, size=(1, 4))
-    plan = popjax.methods.TEALPlan(f=16, n_keep=8, sparsity=0.5, aggregate="max",
-                                   thresholds_x=tuple(map(tuple, t_x)), thresholds_h=tuple(map(tuple, t_h)))
+    plan = popjax.methods.TEALPlan(f=16, n_keep=8, sparsity=0.5, aggregate="max")
+    data = thresholds_data({"x": t_x, "h": t_h})
     x = rng.normal(size=(3, 1, 32))
     valid = np.array([[True], [True], [False]])  # a stopped row takes no part in any aggregate
-    fn = lambda w, s, x, routed=None: plan.decode(w, s, x, jnp.int32(0), jnp.asarray(valid) & routed)
+    fn = lambda w, s, x, routed=None: plan.decode({**w, "data": data}, s, x, jnp.int32(0), jnp.asarray(valid) & routed)
     y, _, aux = _layer_fn(model, fn, None, jnp.asarray(x, jnp.float32))
     routed = _routed(model, hf, 0, x[:, :, :]) & valid[None]
     ffns = _slot_ffns(model, hf, 0)
@@ -465,5 +469,5 @@ def test_teal_decode_uses_each_experts_thresholds(models):
 
 def test_kv_calibration_runs_moe_layers(models):
     model, _ = models("qwen2_moe")  # layer 1 skipped: layer 0 (MoE) runs in both streams
-    cal = kv_calibration.calibrate_kv(model, skip=(1,), prompts=_corpus(), cache=False)
+    cal = calibrate_kv(model, skip=(1,), prompts=_corpus(), cache=False)
     assert cal.fit["layers"]["1"]["k_err_before"] < 1e-6  # the same input in both streams

@@ -1,4 +1,4 @@
-"""Prefill-Only Pruning (SPEC §4) against a plain NumPy decoder on a tiny random LLaMA.
+"""Prefill-Only Pruning (docs/methods.md §4) against a plain NumPy decoder on a tiny random LLaMA.
 
 The reference takes its weights from the transformers model (not from popjax), projects the
 skipped layers' keys/values from their input residual stream, and runs the boundary token
@@ -179,7 +179,7 @@ def test_composes_with_pop_and_traces_every_layer(tiny):
 
 
 def test_least_important_layers_from_the_analysis():
-    from popjax.layer_importance import LayerImportance
+    from popjax.analysis.layer_importance import LayerImportance
 
     result = LayerImportance(np.array([5.0, 0.1, 3.0, 0.2]), np.ones(4), n_samples=1, response_tokens=4,
                              boundary=True, mean_prompt_tokens=8.0, mean_response_tokens=4.0)

@@ -139,13 +139,13 @@ def test_flap_on_model_matches_reference(model, calibrated):
 # ------------------------------------------------------------------ pruned checkpoints
 
 
-@pytest.mark.parametrize("name", ["wanda_sp", "flap"])
+@pytest.mark.parametrize("name", ["wanda-sp", "flap"])
 def test_pruned_checkpoint_reloads_with_the_online_logits(model, calibrated, name, tmp_path):
     method = calibrated[name]
     cfg, n_keep = model.config, kept_channels(model.config, method.ratio)
     pruned = prune_model(model, method)
     widths = method.selection.widths
-    if name == "wanda_sp":
+    if name == "wanda-sp":
         assert pruned.config.intermediate_size == n_keep and pruned.config.intermediate_sizes is None
         assert not pruned.config.down_proj_bias
     else:
@@ -155,7 +155,7 @@ def test_pruned_checkpoint_reloads_with_the_online_logits(model, calibrated, nam
 
     directory = save_pruned(pruned, tmp_path / f"{name}-pruned")
     saved = json.loads((directory / "config.json").read_text())
-    assert saved.get("intermediate_sizes") == (None if name == "wanda_sp" else list(widths))
+    assert saved.get("intermediate_sizes") == (None if name == "wanda-sp" else list(widths))
     reloaded = popjax.load(directory)
     assert reloaded.config == pruned.config
     for i, w in enumerate(widths):
@@ -167,7 +167,7 @@ def test_pruned_checkpoint_reloads_with_the_online_logits(model, calibrated, nam
     offline = np.asarray(popjax.forward(reloaded, ids))
     np.testing.assert_allclose(offline, online, atol=ATOL)
     assert np.abs(online - np.asarray(popjax.forward(model, ids))).max() > 1e-2  # pruning changed something
-    if name == "wanda_sp":
+    if name == "wanda-sp":
         return  # its decode path is FLAP's without the bias (SelectionPlan), checked below once
     # decode path: greedy continuations of the online method and of the checkpoint agree
     prompts = [row[: n].tolist() for row, n in zip(ids, (5, 13, 9))]
@@ -193,7 +193,7 @@ def test_methods_on_a_pruned_model(model, calibrated):
     for method in (WandaSP(0.2), FLAP(0.2)):
         with pytest.raises(MethodError, match="per-layer widths"):
             method.bind(flap_model.config)
-    wanda_model = prune_model(model, calibrated["wanda_sp"])
+    wanda_model = prune_model(model, calibrated["wanda-sp"])
     plan = POP(0.1).bind(wanda_model.config)
     assert plan.f == kept_channels(model.config, 0.3)
 
@@ -240,6 +240,8 @@ def test_calibration_corpus_missing_or_empty(model, tmp_path):
 def test_uncalibrated_or_mismatched_selection(model, calibrated):
     with pytest.raises(MethodError, match=r"calibrate\(model\)"):
         WandaSP(0.3).bind(model.config)
+    with pytest.raises(MethodError, match=r"calibrate\(model\)"):  # its data (the kept ids) checks alike
+        WandaSP(0.3).data(model)
     stale = FLAP(0.3, selection=calibrated["flap"].selection)
     with pytest.raises(MethodError, match=f"ratio={FLAP_RATIO}"):
         stale.bind(model.config)
@@ -252,7 +254,7 @@ def test_uncalibrated_or_mismatched_selection(model, calibrated):
 def test_save_pruned_refuses_an_existing_directory(model, calibrated, tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="taken"):
-        save_pruned(prune_model(model, calibrated["wanda_sp"]), tmp_path / "taken")
+        save_pruned(prune_model(model, calibrated["wanda-sp"]), tmp_path / "taken")
 
 
 def test_config_rejects_bad_layer_widths(model):

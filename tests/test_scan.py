@@ -22,8 +22,9 @@ from flax import nnx
 import popjax
 from popjax import engine
 from popjax.generation import GenerationRequest, pad_batch
-from popjax.loading import build_model, with_scanned_layers
-from popjax.methods.teal import TEALPlan
+from popjax.loading import build_model
+from popjax.loaded import with_scanned_layers
+from popjax.methods.teal import TEALPlan, thresholds_data
 from popjax.models.config import ModelConfig
 from popjax.models.scan import ScannedTransformer, abstract_scanned_model, scan_layers
 
@@ -115,15 +116,16 @@ def _assert_trees_equal(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plans"))
-def forward_and_teacher_force(graphdef, params, plans, tokens, mask, targets):
+def forward_and_teacher_force(graphdef, params, plans, tokens, mask, targets, data=None):
     """For every plan: ``engine.prefill``'s logits of every position [B, T, V] (what
     ``popjax.forward`` returns) and ``engine.teacher_force``'s NLL [B, N] and log-probabilities
     [B, N, V] (what ``popjax.eval`` uses), in ONE program: one compile per model instead of two
-    per plan."""
+    per plan. ``data``: each plan's calibrated data (a tuple beside ``plans``; None: none)."""
+    data = data or (None,) * len(plans)
     return [
-        (engine.prefill(graphdef, params, tokens, mask, plan, all_logits=True)[0],
-         *engine.teacher_force(graphdef, params, plan, tokens, mask, targets, with_logprobs=True)[:2])
-        for plan in plans
+        (engine.prefill(graphdef, params, tokens, mask, plan, all_logits=True, data=d)[0],
+         *engine.teacher_force(graphdef, params, plan, tokens, mask, targets, with_logprobs=True, data=d)[:2])
+        for plan, d in zip(plans, data)
     ]
 
 
@@ -139,10 +141,13 @@ def test_forward_and_teacher_forcing_match(models, style):
     if style == "llama":  # a plan that picks per-layer constants by w["layer"] (traced in the scan)
         f = unrolled.config.intermediate_size
         names += ("teal-per-layer",)
-        plans += (TEALPlan(f=f, n_keep=f, sparsity=0.5, thresholds_x=(0.02, 0.6), thresholds_h=(0.3, 0.01)),)
+        plans += (TEALPlan(f=f, n_keep=f, sparsity=0.5),)
+        data = (None,) * (len(plans) - 1) + (thresholds_data({"x": (0.02, 0.6), "h": (0.3, 0.01)}),)
+    else:
+        data = None
     tokens, mask = pad_batch(PROMPTS, 0)
     targets = np.random.default_rng(1).integers(3, 128, size=tokens.shape[:1] + (240,))
-    args = (plans, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(targets))
+    args = (plans, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(targets), data)
     want = forward_and_teacher_force(unrolled.graphdef, unrolled.params, *args)
     got = forward_and_teacher_force(scanned.graphdef, scanned.params, *args)
     valid = mask.astype(bool)
@@ -188,8 +193,8 @@ def test_stacked_layout_and_stream(models):
     # the same stacking from an already built unrolled model (models.scan.scan_layers)
     _assert_trees_equal(nnx.to_pure_dict(with_scanned_layers(unrolled).params), pure)
     # and back: the unrolled view that offline calibration walks (loading.unrolled)
-    back = popjax.loading.unrolled(scanned)
-    assert back.graphdef == unrolled.graphdef and popjax.loading.unrolled(unrolled) is unrolled
+    back = popjax.loaded.unrolled(scanned)
+    assert back.graphdef == unrolled.graphdef and popjax.loaded.unrolled(unrolled) is unrolled
     _assert_trees_equal(nnx.to_pure_dict(back.params), unrolled_pure)
     method = METHODS["pop-shared"]
     req = GenerationRequest.create(scanned, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
@@ -240,17 +245,17 @@ def test_non_identical_layers_are_refused():
     mixed = dataclasses.replace(cfg, moe=MoEConfig(num_experts=4, top_k=2, expert_size=32, dense_size=96, sparse_layers=(0, 2)))
     with pytest.raises(ValueError, match=r"moe.sparse_layers=\[0, 2\] of 3 layers.*unrolled model"):
         abstract_scanned_model(mixed)
-    # a layer with a parameter the others lack (e.g. a calibrated prefill KV projection)
+    # a layer with a parameter the others lack
     built = build_model(cfg, random_tree(cfg), None, "t", "float32")
     model = nnx.merge(built.graphdef, built.params)
-    model.layers[1].attn.prefill_kv = nnx.Param(jnp.zeros((cfg.num_key_value_heads, 2, cfg.head_dim, cfg.hidden_size)))
-    with pytest.raises(ValueError, match=r"layer 1's attn.prefill_kv is \(\(2, 2, 16, 64\), 'float32'\) but layer 0's is absent"):
+    model.layers[1].attn.extra_kv = nnx.Param(jnp.zeros((cfg.num_key_value_heads, 2, cfg.head_dim, cfg.hidden_size)))
+    with pytest.raises(ValueError, match=r"layer 1's attn.extra_kv is \(\(2, 2, 16, 64\), 'float32'\) but layer 0's is absent"):
         scan_layers(model)
 
 
 def test_per_layer_steering_is_refused(models):
     _, scanned = models["llama"]
-    with pytest.raises(ValueError, match=r"layer_modes=\('full', 'kv'\).*Prefill-Only.*unrolled model"):
+    with pytest.raises(ValueError, match=r"schedule=LayerSchedule\(modes=\('full', 'kv'\).*per-layer schedules.*unrolled model"):
         popjax.generate_ids(scanned, PROMPTS, 4, method=popjax.PrefillOnly(skip=1))
     tokens, mask = pad_batch(PROMPTS, 0)
     gates = jnp.ones((2, *tokens.shape))

@@ -214,7 +214,7 @@ def test_pop_per_shard_matches_reference():
     import jax.numpy as jnp
 
     from popjax.methods import POP
-    from popjax.methods.pop import POPShardedPlan
+    from popjax.methods.pop.core import POPShardedPlan
 
     rng = np.random.default_rng(3)
     cfg = tiny_config(intermediate_size=64)
@@ -333,18 +333,18 @@ def other_methods(model):
         n_keep = popjax.WandaSP(0.3).n_keep(cfg)
         kept = tuple(tuple(sorted(rng.choice(cfg.intermediate_size, n_keep, replace=False).tolist()))
                      for _ in range(cfg.num_hidden_layers))
-        out["wanda_sp"] = popjax.WandaSP(0.3, selection=ChannelSelection("wanda_sp", 0.3, kept))
+        out["wanda-sp"] = popjax.WandaSP(0.3, selection=ChannelSelection("wanda-sp", 0.3, kept))
     return out
 
 
-def _teacher(model, plan, tokens, mask, targets):
+def _teacher(model, plan, tokens, mask, targets, data=None):
     import jax.numpy as jnp
 
     from popjax import engine, sharding
 
     with sharding.use_mesh(model):
         nll, logp, _ = engine.teacher_force(model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask),
-                                            jnp.asarray(targets), with_logprobs=True)
+                                            jnp.asarray(targets), with_logprobs=True, data=data)
         return np.asarray(logp)
 
 
@@ -358,7 +358,7 @@ def _decode_step_hlo(model, method) -> str:
     carry, _ = req.start(model)
     with sharding.use_mesh(model):
         lowered = engine.stream_step.lower(model.graphdef, model.params, req.plan, carry, req.sampling,
-                                           jnp.asarray(req.stops), jnp.int32(req.pad_id))
+                                           jnp.asarray(req.stops), jnp.int32(req.pad_id), data=req.data)
     return lowered.compile().as_text()
 
 
@@ -382,8 +382,9 @@ def method_state_after_prefill(model, method) -> dict:
     req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
     with sharding.use_mesh(model):
         args = (req.tokens, req.mask, req.key, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
-        compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity).compile()
-        carry, _ = compiled(model.params, *args)
+        compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity,
+                                      data=req.data).compile()
+        carry, _ = compiled(model.params, *args, data=req.data)
     leaves = jax.tree_util.tree_leaves_with_path(carry.state.method_states)
     one_device = lambda a: a.addressable_shards[0].data.nbytes
     replicated = [(path[-1].key, a) for path, a in leaves if one_device(a) == a.nbytes]
@@ -409,7 +410,7 @@ def restore_straight_into_shardings(cfg, tree, placed) -> dict:
     import popjax
     from popjax import sharding
     from popjax.convert.store import dotted, write_converted
-    from popjax.loading import with_scanned_layers
+    from popjax.loaded import with_scanned_layers
 
     directory = Path(tempfile.mkdtemp()) / "model"
     write_converted(directory, cfg, tree, lambda _: False, {"source": "random", "kind": "hf", "dtype": "float32"})
@@ -454,14 +455,14 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     if all_methods:
         runs += [(name, m.prepare(single), MESHES) for name, m in other_methods(single).items()]
     # registry names covered (a composite counts for its FFN method too)
-    results["registry_names"] = sorted({n for _, m, _ in runs for n in (m.name, getattr(getattr(m, "mlp_method", None), "name", m.name))})
+    results["registry_names"] = sorted({n for _, m, _ in runs for n in (m.name, m.ffn_method.name if m.layer_level else m.name)})
     targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
     for name, method, meshes in runs:
-        plan = method.bind(cfg)
-        want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
+        plan, data = method.bind(cfg), method.data(single)
+        want = _teacher(single, plan, tokens, mask, targets, data)[: len(PROMPTS)]
         entry = {}
         for shape in meshes:
-            got = _teacher(sharded[shape], plan, tokens, mask, targets)[: len(PROMPTS)]
+            got = _teacher(sharded[shape], plan, tokens, mask, targets, data)[: len(PROMPTS)]
             entry[str(shape)] = {"max_abs_logprob_diff": float(np.abs(got - want).max()),
                                  "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
         results["methods"][name] = entry
@@ -476,7 +477,7 @@ def worker(out_path: str, all_methods: bool = False) -> None:
                     for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
     others = other_methods(single)
-    split_copies.update({name: others[name] for name in ("wanda_sp", "pop-gate", "pop-bands")})
+    split_copies.update({name: others[name] for name in ("wanda-sp", "pop-gate", "pop-bands")})
     split_copies["pop-lowrank"] = others["pop-lowrank"].prepare(single)
     step_methods = {**core_methods(), **split_copies,
                     "pop-per_shard-gather": popjax.POP(0.3, partition="per_shard", shards=8, weights="gather")}

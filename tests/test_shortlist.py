@@ -1,6 +1,7 @@
-"""Shortlisted POP (popjax/methods/shortlist.py) against a plain NumPy reference, and its two
+"""Shortlisted POP (popjax/methods/pop/shortlist.py) against a plain NumPy reference, and its two
 ends: σ = 0.5 is gate-scored POP, σ = 1 is POP; shortlisted dynamic selection
-(shortlist_dynamic.py) against its reference, and σ = 1 against dynamic."""
+(pop/shortlist_dynamic.py, the same plan as shortlisted POP at γ = 1 over the unkept band)
+against its reference, and σ = 1 against dynamic."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from popjax.methods import GateScoredPlan, MethodError, POPPlan, make_method
-from popjax.methods.shortlist import ShortlistPlan, ShortlistPOP
-from popjax.methods.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
+from popjax.methods import GateScoredPlan, MethodError, POPPlan, make_method, method_fields
+from popjax.methods.pop.shortlist import ShortlistPlan, ShortlistPOP, ShortlistScorer
+from popjax.methods.pop.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
 from tests.test_frontier_methods import (
     ATOL, CASES, D, as_jax, dnorm, group_norm, groups, jitted, random_batch, random_layer, ref_partition,
     ref_select_and_apply, run_and_compare, silu, sizes, tiny_config,
@@ -82,12 +83,14 @@ def test_shortlist_ends_are_gate_scored_pop_and_pop(sigma):
 def test_shortlist_method_sizes_and_errors():
     cfg = tiny_config(f=200)
     plan = ShortlistPOP(0.2, gamma=0.4, shortlist=0.75).bind(cfg)
-    assert isinstance(plan, ShortlistPlan) and plan.s == round(0.75 * 2 * plan.m)
+    assert isinstance(plan.scorer, ShortlistScorer) and plan.scorer.s == round(0.75 * 2 * plan.m)
     assert make_method("pop-shortlist", ratio=0.2, gamma=0.4, shortlist=0.75).bind(cfg) == plan
     for bad in (0.4, 1.5, True):
         with pytest.raises(MethodError, match=rf"shortlist={bad!r} is outside \[0.5, 1\]"):
             ShortlistPOP(0.2, shortlist=bad)
-    with pytest.raises(MethodError, match=r"pop-shortlist: partition='per_shard' is implemented for 'pop' only"):
+    # POP's partition option is POP's own: the preset does not take it (no option accepted and then refused)
+    assert "partition" not in method_fields("pop-shortlist")
+    with pytest.raises(TypeError, match="partition"):
         ShortlistPOP(0.2, partition="per_shard")
 
 
@@ -141,7 +144,7 @@ def test_shortlist_dynamic_matches_reference(aggregate, prior):
 def test_shortlist_dynamic_at_full_shortlist_selects_what_dynamic_selects():
     cfg = tiny_config(f=96)
     plan, dynamic = ShortlistDynamic(0.3, shortlist=1.0).bind(cfg), make_method("dynamic", ratio=0.3).bind(cfg)
-    assert plan.s == plan.f and plan.ffn_weights_read(D) == dynamic.ffn_weights_read(D)
+    assert plan.scorer.s == plan.f and plan.ffn_weights_read(D) == dynamic.ffn_weights_read(D)
     rng = np.random.default_rng(3)
     w = as_jax(random_layer(rng, D, plan.f))
     X, valid = random_batch(rng, D, [6, 4], T=6)
@@ -156,8 +159,9 @@ def test_shortlist_dynamic_at_full_shortlist_selects_what_dynamic_selects():
 def test_shortlist_dynamic_sizes_and_errors():
     cfg = tiny_config(f=200)
     plan = make_method("dynamic-shortlist", ratio=0.2, shortlist=0.9).bind(cfg)
-    assert isinstance(plan, ShortlistDynamicPlan) and plan.s == 180 and plan.prior == "up"
-    assert ShortlistDynamic(0.2, shortlist=0.01).bind(cfg).s == plan.n_keep  # never below n_keep
+    assert plan == ShortlistDynamicPlan(f=200, n_keep=plan.n_keep, s=180, prior="up")
+    assert plan.scorer == ShortlistScorer(s=180, prior="up") and plan.m == plan.n_keep and plan.n_retained == 0
+    assert ShortlistDynamic(0.2, shortlist=0.01).bind(cfg).scorer.s == plan.n_keep  # never below n_keep
     for bad in (0, -0.5, 1.5, True):
         with pytest.raises(MethodError, match=rf"shortlist={bad!r} is outside \(0, 1\]"):
             ShortlistDynamic(0.2, shortlist=bad)
@@ -174,9 +178,9 @@ def test_shortlist_wide_band_with_up_prior_matches_reference(aggregate):
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [5, 8, 3], T=8)
     method = ShortlistPOP(0.2, gamma=gamma, shortlist=sigma, band="all", prior="up", aggregate=aggregate)
-    plan = ShortlistPlan(f=f, n_keep=n_keep, aggregate=aggregate, **method.plan_sizes(f, n_keep))
+    plan = POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, **method.plan_sizes(f, n_keep))
     n_r, m = n_keep - plan.m, plan.m
-    assert plan.n_candidates == f - n_r and plan.s == shortlist_size(m, f - n_r, sigma)
+    assert plan.n_candidates == f - n_r and plan.scorer.s == shortlist_size(m, f - n_r, sigma)
     prefill, decode = jitted(plan)
     w = as_jax(W)
     y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
@@ -189,23 +193,24 @@ def test_shortlist_wide_band_with_up_prior_matches_reference(aggregate):
         prior = group_norm(X[g] @ W["up"], valid[g]) * dnorm(W)
         G = silu(x_t[g] @ W["gate"])
         est = group_norm(G, np.ones((G.shape[0], 1), bool)) * prior
-        L = sorted(C, key=lambda c: (-est[c], C.index(c)))[: plan.s]
+        L = sorted(C, key=lambda c: (-est[c], C.index(c)))[: plan.scorer.s]
         H = G * (x_t[g] @ W["up"])
         exact = {c: v for c, v in zip(range(f), group_norm(H, np.ones((H.shape[0], 1), bool)) * dnorm(W))}
         y_ref, S = ref_select_and_apply(W, R, L, x_t[g], exact, m)
         np.testing.assert_allclose(np.asarray(y_t[g]), y_ref, atol=ATOL)
         selected = np.asarray(aux["selected"]) if aggregate == "shared" else np.asarray(aux["selected"][g.start])
         assert selected.tolist() == S
-    assert plan.ffn_weights_read(D) == 3 * D * n_r + D * (f - n_r) + D * plan.s + D * m
+    assert plan.ffn_weights_read(D) == 3 * D * n_r + D * (f - n_r) + D * plan.scorer.s + D * m
 
 
 def test_shortlist_wide_band_at_gamma_one_is_shortlisted_dynamic():
-    """γ = 1 with band="all" and prior="up" selects what ShortlistDynamic selects, at its bytes:
-    the two are one selection rule, with and without compact copies."""
+    """γ = 1 with band="all" and prior="up" is ShortlistDynamic: the two presets bind to one plan
+    (which selects what the removed copy-free ShortlistDynamic selected, at its bytes)."""
     cfg = tiny_config(f=96)
     wide = ShortlistPOP(0.3, gamma=1.0, shortlist=0.7, band="all", prior="up").bind(cfg)
     lean = ShortlistDynamic(0.3, shortlist=0.7).bind(cfg)
-    assert (wide.n_retained, wide.n_candidates, wide.s) == (0, wide.f, lean.s)
+    assert wide == lean
+    assert (wide.n_retained, wide.n_candidates, wide.scorer.s) == (0, wide.f, lean.scorer.s)
     assert wide.ffn_weights_read(D) == lean.ffn_weights_read(D)
     assert_same_selections(wide, lean, np.random.default_rng(23), steps=2)
 

@@ -1,9 +1,10 @@
-"""TEAL and CATS against plain NumPy references of SPEC §5 (given thresholds), their budgets,
+"""TEAL and CATS against plain NumPy references of docs/methods.md §5 (given thresholds), their budgets,
 calibration on real collected statistics, and errors."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import ClassVar
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 import popjax
 from popjax.calibration import Statistic, collect
 from popjax.methods import CATS, CATSPlan, DensePlan, MethodError, TEAL, TEALPlan, Thresholds, kept_channels
+from popjax.methods.teal import thresholds_data
 from popjax.models import ModelConfig
 from tests.conftest import random_prompts
 from tests.test_calibration import tiny_corpus
@@ -79,11 +81,12 @@ def test_teal_matches_reference(how, B):
     layers = [random_layer(rng, d, f) for _ in range(L)]
     tx = tuple(float(v) for v in rng.uniform(0.3, 1.0, L))
     th = tuple(float(v) for v in rng.uniform(0.02, 0.3, L))
-    plan = TEALPlan(f=f, n_keep=f // 2, sparsity=0.5, aggregate=how, thresholds_x=tx, thresholds_h=th)
+    plan = TEALPlan(f=f, n_keep=f // 2, sparsity=0.5, aggregate=how)
+    data = thresholds_data({"x": tx, "h": th})  # the method's data, as generate passes it (w["data"])
     decode = jax.jit(plan.decode)
     seen = []
     for layer, W in enumerate(layers):  # the layer index picks the layer's thresholds
-        w = {**as_jax(W), "layer": jnp.int32(layer)}
+        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
         for step in range(3):
             x, valid = _step_inputs(rng, B, d)
             y, state, aux = decode(w, None, jnp.asarray(x, jnp.float32), step, jnp.asarray(valid[:, None]))
@@ -104,11 +107,12 @@ def test_cats_matches_reference(how, B):
     d, f, L = 16, 48, 2
     layers = [random_layer(rng, d, f) for _ in range(L)]
     t = tuple(float(v) for v in rng.uniform(0.1, 0.4, L))
-    plan = CATSPlan(f=f, n_keep=30, sparsity=0.5, aggregate=how, thresholds=t)
+    plan = CATSPlan(f=f, n_keep=30, sparsity=0.5, aggregate=how)
+    data = thresholds_data({"gate": t})
     decode = jax.jit(plan.decode)
     seen = []
     for layer, W in enumerate(layers):
-        w = {**as_jax(W), "layer": jnp.int32(layer)}
+        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
         for step in range(3):
             x, valid = _step_inputs(rng, B, d)
             y, _, aux = decode(w, None, jnp.asarray(x, jnp.float32), step, jnp.asarray(valid[:, None]))
@@ -123,12 +127,10 @@ def test_cats_matches_reference(how, B):
 def test_batched_rule_at_batch_one_is_per_token():
     rng = np.random.default_rng(2)
     W = random_layer(rng, 16, 32)
-    w = {**as_jax(W), "layer": jnp.int32(0)}
+    w = {**as_jax(W), "layer": jnp.int32(0), "data": thresholds_data({"x": (0.6,), "h": (0.1,)})}
     x = jnp.asarray(rng.normal(0, 1, (1, 1, 16)), jnp.float32)
     outs = [
-        TEALPlan(f=32, n_keep=16, sparsity=0.5, aggregate=how, thresholds_x=(0.6,), thresholds_h=(0.1,)).decode(
-            w, None, x, 0, jnp.ones((1, 1), bool)
-        )[0]
+        TEALPlan(f=32, n_keep=16, sparsity=0.5, aggregate=how).decode(w, None, x, 0, jnp.ones((1, 1), bool))[0]
         for how in ("per_token", "max", "mean")
     ]
     np.testing.assert_array_equal(outs[0], outs[1])
@@ -142,8 +144,9 @@ def test_prefill_is_dense():
     X = jnp.asarray(rng.normal(0, 1, (2, 5, 16)), jnp.float32)
     valid = jnp.ones((2, 5), bool)
     dense = DensePlan(f=32, n_keep=32).prefill(w, X, valid)[0]
-    teal = TEALPlan(f=32, n_keep=16, sparsity=0.5, thresholds_x=(9.0,), thresholds_h=(9.0,)).prefill(w, X, valid)
-    cats = CATSPlan(f=32, n_keep=16, sparsity=0.5, thresholds=(9.0,)).prefill(w, X, valid)
+    data = thresholds_data({"x": (9.0,), "h": (9.0,), "gate": (9.0,)})
+    teal = TEALPlan(f=32, n_keep=16, sparsity=0.5).prefill({**w, "data": data}, X, valid)
+    cats = CATSPlan(f=32, n_keep=16, sparsity=0.5).prefill({**w, "data": data}, X, valid)
     np.testing.assert_array_equal(teal[0], dense)
     np.testing.assert_array_equal(cats[0], dense)
 
@@ -200,6 +203,7 @@ def test_ffn_sparsity_is_the_papers_sparsity():
         (lambda: CATS(ratio=0.2, ffn_sparsity=0.5), r"CATS: give ratio=0.2 or ffn_sparsity=0.5, not both"),
         (lambda: TEAL(thresholds=(0.1, 0.2)), r"TEAL: thresholds=\(0.1, 0.2\) is not a Thresholds"),
         (lambda: TEAL(0.2).bind(TINY), r"TEAL has no thresholds: use TEAL\(...\).calibrate\(model\)"),
+        (lambda: CATS(0.2).data(SimpleNamespace(config=TINY)), r"CATS has no thresholds: use CATS\(...\).calibrate\(model\)"),
         (lambda: CATS(0.4).targets(TINY), r"CATS: ratio=0.4 keeps n_keep=32 of f=96 channels; .* n_keep > f/3"),
         (
             lambda: dataclasses.replace(_calibrated(TEAL(0.2)), ratio=0.3).bind(TINY),
@@ -217,12 +221,6 @@ def test_bad_arguments(build, message):
 
 
 # ------------------------------------------------------------------ calibration on a model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 @dataclasses.dataclass(frozen=True)

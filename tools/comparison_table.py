@@ -1,14 +1,14 @@
 """The paper-ordered comparison table of docs/evaluation.md from `popjax eval` records, with each
-method's analytic FFN FLOPs per decode token (SPEC §2). Usage:
+method's analytic FFN FLOPs per decode token (docs/methods.md §2). Usage:
 python tools/comparison_table.py results/eval/table.json [results/eval/next_line.json]"""
 import json
 import sys
 
 import popjax
-from popjax.flops import flops_report
+from popjax.analysis.flops import flops_report
 from popjax.methods import make_method
 
-ORDER = ["dense", "wanda_sp", "flap", "probe", "griffin", "static", "pop", "dynamic"]  # the POP paper's order
+ORDER = ["dense", "wanda-sp", "flap", "probe", "griffin", "static", "pop", "dynamic"]  # the POP paper's order
 COLUMNS = [("nll", "prose NLL"), ("code_nll", "code NLL"), ("kl", "KL(dense‖m)"), ("agreement", "greedy agreement"),
            ("next_line_acc", "next-line acc")]
 

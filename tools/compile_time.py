@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import popjax  # noqa: E402
 from popjax import engine  # noqa: E402
-from popjax.bench import BENCH_PROMPTS  # noqa: E402
+from popjax.bench.runner import BENCH_PROMPTS  # noqa: E402
 from popjax.generation import GenerationRequest, encode_prompts  # noqa: E402
 from popjax.loading import build_model  # noqa: E402
 from popjax.models.config import ModelConfig  # noqa: E402

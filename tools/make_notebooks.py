@@ -21,7 +21,7 @@ QUICKSTART = [
     ("code", SETUP),
     ("code", 'params = popjax.load()  # or a HF checkpoint directory, or a .gguf file\nprint(params.config)'),
     ("code", 'out = popjax.generate(params, ["What is the capital of France?", "Name three primary colors."], max_new_tokens=16 if SMALL else 48)\nfor text in out.texts:\n    print(repr(text))'),
-    ("md", "POP at a global ratio of 20%: all pruning comes from the FFN (SPEC §1); the prefill partitions the channels, each decode step picks candidates with `lax.top_k`."),
+    ("md", "POP at a global ratio of 20%: all pruning comes from the FFN (docs/methods.md §1); the prefill partitions the channels, each decode step picks candidates with `lax.top_k`."),
     ("code", 'pop = popjax.POP(ratio=0.2, gamma=0.1)\nout = popjax.generate(params, "What is the capital of France?", max_new_tokens=16 if SMALL else 48, method=pop)\nprint(repr(out.text))'),
     ("md", "## Speed\nThe first call compiles; later calls with other prompts of the same length bucket, other `max_new_tokens` or sampling values reuse the compiled loop."),
     ("code", '''n = 16 if SMALL else 64
@@ -41,7 +41,7 @@ print(speeds, popjax.engine.compile_counts())'''),
 DYNAMICS = [
     ("md", "# POP dynamics on the real model\n\nHow far does the channel ranking of each decode step drift from the prefill ranking? The fully dynamic method scores every channel at every step; its trace gives the per-step importance `I_j(t)` next to the prefill importance."),
     ("code", SETUP),
-    ("code", '''from popjax.eval.data import load_play
+    ("code", '''from popjax.data import load_play
 params = popjax.load()
 tok = params.tokenizer
 text = load_play("hamlet")  # a development play; the report's held-out play is never used here
@@ -104,7 +104,7 @@ COMPARISON = [
     ("md", "# Method comparison\n\nThe evaluation sweep of `popjax eval` on a small setting: online teacher-forced NLL on a development play and fidelity to dense generation. The full report is produced by the command in `results/eval/report.md`."),
     ("code", SETUP),
     ("code", '''from popjax.eval import EvalSettings, evaluate, markdown_table, plot_records, sweep_methods
-from popjax.eval.data import load_play
+from popjax.data import load_play
 from popjax.eval.tasks import FidelitySettings, NLLSettings
 from IPython.display import Image, Markdown, display
 

@@ -5,7 +5,7 @@ import json
 import sys
 
 import popjax
-from popjax.memory_plan import DEVICES, fits, format_plan, memory_plan, resolve_config
+from popjax.analysis.memory_plan import DEVICES, fits, format_plan, memory_plan, resolve_config
 from popjax.sharding import make_mesh
 
 METHODS = {

@@ -1,4 +1,4 @@
-"""The batch study of Batch-wise Adaptive Pruning's claim (issue 10; SPEC §3, §5): when a batch
+"""The batch study of Batch-wise Adaptive Pruning's claim (issue 10; docs/methods.md §3, §5): when a batch
 must share one mask, do threshold methods (TEAL, CATS) drift off their target density and lose
 accuracy, while BWAP keeps both?
 
@@ -38,8 +38,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..generation import generate_ids
-from ..loading import LoadedModel
-from ..methods import BWAP, CATS, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, Static, method_fields, method_label, parse_method_spec
+from ..loaded import LoadedModel
+from ..methods import ALIASES, BWAP, CATS, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, Static, method_label, sweep
 from .tasks import NLLSettings, text_windows
 from .teacher import teacher_forced
 
@@ -53,7 +53,7 @@ STUDY_METHODS: dict[str, Callable[[float], Method]] = {
     "pop": lambda r: POP(r, aggregate="shared"),
     "static": lambda r: Static(r, aggregate="shared"),
     "dynamic": lambda r: Dynamic(r, aggregate="shared"),
-    "bwap-no-memory": lambda r: BWAP(r, memory=False),  # ablations of SPEC §3
+    "bwap-no-memory": lambda r: BWAP(r, memory=False),  # ablations of docs/methods.md §3
     "bwap-mean": lambda r: BWAP(r, aggregate="mean"),
     "bwap-every-step": lambda r: BWAP(r, schedule="every_step"),
 }
@@ -69,15 +69,9 @@ def study_methods(names: Sequence[str], ratio: float) -> list[tuple[str, Method]
         if name in STUDY_METHODS:
             out.append((name, STUDY_METHODS[name](ratio)))
             continue
-        base = name.split(":")[0]
-        if base not in METHODS:
+        if any(part not in METHODS and part not in ALIASES for part in name.split(":")[0].split("+")):
             raise MethodError(f"unknown study method {name!r}; use one of {list(STUDY_METHODS)} or a method spec of {sorted(METHODS)}")
-        fields, hyper = method_fields(base), {}
-        if "ratio" in fields:
-            hyper["ratio"] = ratio
-        if "aggregate" in fields and "shared" in getattr(METHODS[base], "aggregates", ()):
-            hyper["aggregate"] = "shared"  # the batch study is about shared masks
-        out.append((name, parse_method_spec(name, **hyper)))
+        out += sweep([name], [ratio], aggregate="shared")  # the batch study is about shared masks
     return out
 
 
@@ -172,7 +166,7 @@ def batch_study_ids(
             records.append({
                 "method": method.name,
                 "label": label,
-                "ratio": getattr(method, "ratio", None) or 0.0,
+                "ratio": method.reported()["ratio"],
                 "batch_size": b,
                 "windows": len(prompts),
                 "prompt_tokens": max(map(len, prompts)),
@@ -237,10 +231,10 @@ def plot_study(records: list[dict[str, Any]], out_dir: Path, drift_methods: Sequ
     """``density_over_steps.png`` (the drift: actual density per decode step of ``drift_methods``,
     or of every method that reports density, at the smallest vs the largest batch, with each
     target dotted) and ``nll_vs_batch.png``. Returns the PNG paths."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (popjax[eval]), only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib (popjax[eval])
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = sorted({r["batch_size"] for r in records})
@@ -279,45 +273,3 @@ def plot_study(records: list[dict[str, Any]], out_dir: Path, drift_methods: Sequ
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths
-
-
-# ------------------------------------------------------------------ CLI
-
-
-def register_cli(sub) -> None:
-    from ..convert.default_model import DEFAULT_MODEL
-    from .data import HELD_OUT_PLAY
-
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p = sub.add_parser("batch-study", help="NLL and actual FFN density of pruning methods at several batch sizes")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
-    p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=list(STUDY_METHODS),
-                   help=f"study names {list(STUDY_METHODS)} or method specs (name:key=value)")
-    p.add_argument("--ratio", type=float, default=0.4, help="global pruning ratio of every method (SPEC §1)")
-    p.add_argument("--batch-sizes", type=ints, default=[1, 4, 8])
-    p.add_argument("--windows", type=int, default=8, help="text windows; a multiple of every batch size")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=256)
-    p.add_argument("--density-from", default="teacher", choices=DENSITY_SOURCES)
-    p.add_argument("--play", default=HELD_OUT_PLAY, help="Shakespeare play (see popjax.eval.data)")
-    p.add_argument("--text-file", default=None, help="use this UTF-8 text instead of a play")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--out", default=None, help="directory for report.md and the plots")
-    p.set_defaults(run=_cmd_batch_study)
-
-
-def _cmd_batch_study(args) -> None:
-    from ..loading import load
-    from .cli import write_outputs
-    from .data import load_play, load_text_file
-
-    methods = study_methods(args.methods, args.ratio)  # validate before the (slow) load
-    check_batches(args.windows, args.batch_sizes)
-    text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
-    model = load(args.model, dtype=args.dtype)
-    records = batch_study(model, methods, text, args.batch_sizes, args.windows, args.prompt_tokens, args.decode_tokens,
-                          args.density_from)
-    source = args.text_file or f"Shakespeare, {args.play}"
-    write_outputs(args, records, markdown_table(records), plot_study, "popjax batch study",
-                  f"Model `{args.model}`, text: {source}, global ratio {args.ratio}.")

@@ -32,7 +32,9 @@ W·N·V·4 bytes (16·128·49152·4 = 400 MB on the default model).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -42,15 +44,15 @@ from tqdm.auto import tqdm
 
 from .. import engine
 from ..generation import GenerationRequest
-from ..loading import LoadedModel
-from ..methods import METHODS, Dense, Method, MethodError, method_fields, method_label, parse_method_spec
+from ..loaded import LoadedModel
+from ..methods import METHODS, Dense, Method, MethodError, method_label, sweep
+from ..methods.base import ROW_AGGREGATES  # one selection per row: batches keep batch-1 semantics
 from .tasks import NLLSettings, text_windows
 from .teacher import teacher_forced
 
 log = logging.getLogger(__name__)
 
 GAMMAS = (0.05, 0.1, 0.2, 0.4, 0.7, 1.0)  # the default sweep of every method with a band γ
-ROW_AGGREGATES = ("per_sequence", "per_token")  # one selection per row: batches keep batch-1 semantics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,62 +71,49 @@ def default_specs() -> tuple[list[str], dict[str, str]]:
         required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if name == "dense":
             continue
-        if "mlp_method" in fields:
+        if cls.layer_level:
             skipped[name] = "layer-level (acts on prefill layers; compose it with an MLP method, e.g. prefill-only+pop)"
         elif required:
             skipped[name] = f"needs {required}, which have no default"
-        elif "ratio" not in fields:
+        elif not cls.takes_ratio():
             skipped[name] = "takes no global ratio"
         else:
             specs += [f"{name}:gamma={g}" for g in GAMMAS] if "gamma" in fields else [name]
     return specs, skipped
 
 
-def _build(spec: str, ratio: float) -> Method:
-    """``spec`` at ``ratio`` with a per-row aggregate where the method takes one (the spec's
-    own ``aggregate=`` wins); MethodError names the spec."""
-    name = spec.split(":")[0]
-    try:
-        fields = set().union(*(method_fields(part) for part in name.split("+")))
-        base = {"ratio": ratio} if "ratio" in fields else {}
-        if "aggregate" in fields:
-            for mode in ROW_AGGREGATES:
-                try:
-                    return parse_method_spec(spec, **base, aggregate=mode)
-                except MethodError:
-                    pass
-        return parse_method_spec(spec, **base)
-    except MethodError as err:
-        raise MethodError(f"method spec {spec!r}: {err}") from None
-
-
 def _inner(method: Method) -> Method:
-    """The MLP method of a composed (layer-level + MLP) method, else the method itself."""
-    inner = getattr(method, "mlp_method", None)
-    return inner if isinstance(inner, Method) else method
+    """The FFN method of a composed (layer-level + FFN) method, else the method itself."""
+    inner = method.ffn_method
+    return method if method.layer_level and isinstance(inner, Dense) else inner
 
 
 def configurations(specs: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, Method]]:
     """(spec, method) per configuration: dense first (the reference), then each spec once if it
-    takes no ratio, else at each ratio; duplicates (a spec fixing its own ratio) are dropped."""
+    takes no ratio, else at each ratio, with a per-row aggregate where the method takes one (the
+    spec's own ``aggregate=`` wins); duplicates (a spec fixing its own ratio) are dropped."""
     specs, ratios = [s for s in specs if s], list(ratios)
     if not specs:
         raise MethodError(f"no method specs given (methods={list(specs)!r}); name at least one, e.g. pop:gamma=0.1,static")
     if not ratios:
         raise MethodError(f"no ratios given (ratios={ratios!r}); give global ratios in [0, 1), e.g. 0.2,0.4")
-    out, seen = [], set()
+    out = []
     for spec in ["dense"] + [s for s in specs if s != "dense"]:
-        for ratio in ratios:
-            method = _build(spec, ratio)
-            if repr(method) not in seen:
-                seen.add(repr(method))
-                out.append((spec, method))
-    return out
+        try:
+            out += sweep([spec], ratios, aggregate=ROW_AGGREGATES)
+        except MethodError as err:
+            raise MethodError(f"method spec {spec!r}: {err}") from None
+    seen, unique = set(), []
+    for spec, method in out:
+        if repr(method) not in seen:
+            seen.add(repr(method))
+            unique.append((spec, method))
+    return unique
 
 
 def nll_batch_size(method: Method, batch_size: int) -> int:
     """Windows per teacher-forced call: 1 for a batch-shared selection, else ``batch_size``."""
-    aggregate = getattr(_inner(method), "aggregate", None)
+    aggregate = method.reported()["aggregate"]
     return batch_size if aggregate is None or aggregate in ROW_AGGREGATES else 1
 
 
@@ -155,7 +144,8 @@ def xla_step_bytes(model: LoadedModel, method: Method, prompt: list[int], decode
     req = GenerationRequest.create(model, [prompt], decode_tokens, method=method, ignore_eos=True)
     carry = jax.eval_shape(lambda: req.start(model)[0])
     compiled = engine.stream_step.lower(
-        model.graphdef, model.params, req.plan, carry, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id)
+        model.graphdef, model.params, req.plan, carry, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id),
+        data=req.data,
     ).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -199,6 +189,17 @@ def attach_bench(records: list[dict[str, Any]], bench: dict[str, Any], batch: in
     return matched
 
 
+def read_bench(path: str | Path) -> dict[str, Any]:
+    """A `popjax bench --json` file holding decode speeds (for `attach_bench`); FileNotFoundError
+    or ValueError naming the file otherwise."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"bench file {path} does not exist")
+    bench = json.loads(Path(path).read_text())
+    if not isinstance(bench, dict) or not any("decode_tokens_per_s" in r for r in bench.get("records", [])):
+        raise ValueError(f"bench file {path} holds no records with decode_tokens_per_s (write one with popjax bench --json)")
+    return bench
+
+
 def _score(model, method, prompts, targets, batch: int, dense_logp: np.ndarray | None):
     """nll [W, N] and, against ``dense_logp`` [W, N, V], kl [W, N]; with None, also returns
     this method's log-probabilities [W, N, V] (the dense reference)."""
@@ -236,7 +237,7 @@ def frontier(
             best = ""
             if smallest is not None:
                 spec, method, size = smallest
-                best = f"; the smallest is {size / dense_bytes:.4f} ({spec} at ratio {getattr(_inner(method), 'ratio', 0.0)})"
+                best = f"; the smallest is {size / dense_bytes:.4f} ({spec} at ratio {method.reported()['ratio']})"
             raise ValueError(f"no configuration reads at most max_bytes_fraction={cap} of dense FFN bytes per token{best}")
     s = settings.nll
     prompts, targets = text_windows(model, text, s)
@@ -251,9 +252,9 @@ def frontier(
             "spec": spec,
             "method": method.name,
             "label": method_label(method, exclude=("ratio", "aggregate")),
-            "ratio": float(getattr(_inner(method), "ratio", None) or 0.0),
-            "gamma": getattr(_inner(method), "gamma", None),
-            "aggregate": getattr(_inner(method), "aggregate", None),
+            "ratio": float(method.reported()["ratio"]),
+            "gamma": method.reported()["gamma"],
+            "aggregate": method.reported()["aggregate"],
             "nll_batch_size": batch,
             "windows": len(prompts),
             "prompt_tokens": s.prompt_tokens,
@@ -300,78 +301,3 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
               "its change from dense beside the plan's FFN change. front: not dominated in (FFN bytes, NLL) among "
               "the configurations of its ratio / of all."]
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ CLI
-
-
-def _csv(kind):
-    return lambda s: [kind(x) for x in s.split(",") if x]
-
-
-def register_cli(sub) -> None:
-    from ..convert.default_model import DEFAULT_MODEL
-    from .data import DEV_PLAY
-
-    p = sub.add_parser("frontier", help="online NLL and KL against FFN weight bytes per decode token, with the Pareto front")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
-    p.add_argument("--methods", type=_csv(str), default=None,
-                   help=f"method specs (name or name:key=value:...); default: dense, γ in {GAMMAS} for every method with a band, "
-                        "every other ratio method")
-    p.add_argument("--ratios", type=_csv(float), default=[0.2, 0.4], help="global pruning ratios (SPEC §1)")
-    p.add_argument("--play", default=DEV_PLAY, help="Shakespeare play for the text (see popjax.eval.data)")
-    p.add_argument("--text-file", default=None, help="use this UTF-8 text instead of a play")
-    p.add_argument("--nll-prompt-tokens", type=int, default=256)
-    p.add_argument("--nll-decode-tokens", type=int, default=128)
-    p.add_argument("--nll-windows", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=8, help="windows per teacher-forced call")
-    p.add_argument("--max-bytes-fraction", type=float, default=None, help="keep configurations reading at most this fraction of dense FFN bytes")
-    p.add_argument("--no-xla", dest="xla", action="store_false", help="skip compiling a decode step per configuration for XLA's bytes")
-    p.add_argument("--bench", default=None, help="a `popjax bench --json` file: measured decode tok/s for the NLL-vs-speed plot")
-    p.add_argument("--bench-batch", type=int, default=1, help="the bench batch size whose speeds are used (default 1)")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--out", default=None, help="directory for report.md and the plots")
-    p.set_defaults(run=_cmd_frontier)
-
-
-def _read_bench(path: str) -> dict[str, Any]:
-    import json
-    from pathlib import Path
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"bench file {path} does not exist")
-    bench = json.loads(Path(path).read_text())
-    if not isinstance(bench, dict) or not any("decode_tokens_per_s" in r for r in bench.get("records", [])):
-        raise ValueError(f"bench file {path} holds no records with decode_tokens_per_s (write one with popjax bench --json)")
-    return bench
-
-
-def _cmd_frontier(args) -> None:
-    from ..loading import load
-    from .cli import write_outputs
-    from .data import load_play, load_text_file
-    from .frontier_plot import plot_frontier
-
-    skipped = {}
-    if args.methods is None:
-        args.methods, skipped = default_specs()
-    configurations(args.methods, args.ratios)  # validate before the (slow) load
-    bench = _read_bench(args.bench) if args.bench else None
-    text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
-    settings = FrontierSettings(NLLSettings(args.nll_prompt_tokens, args.nll_decode_tokens, args.nll_windows, args.batch_size),
-                                args.xla, args.max_bytes_fraction)
-    model = load(args.model, dtype=args.dtype)
-    records = frontier(model, args.methods, args.ratios, text, settings)
-    notes = []
-    if bench is not None:
-        matched = attach_bench(records, bench, args.bench_batch)
-        mark_fronts(records)
-        notes.append(f"Decode speed: `{args.bench}` at batch {args.bench_batch} ({matched} of {len(records)} configurations measured).")
-    if skipped:
-        notes.append("Not in the default sweep: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ".")
-    s = settings.nll
-    source = args.text_file or f"Shakespeare, {args.play}"
-    intro = (f"Model `{args.model}` ({args.dtype}), text: {source}, {s.windows} windows of {s.prompt_tokens} prompt + "
-             f"{s.decode_tokens} teacher-forced decode tokens. " + " ".join(notes))
-    write_outputs(args, records, markdown_table(records), plot_frontier, "popjax frontier: quality per FFN byte", intro)

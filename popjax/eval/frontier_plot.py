@@ -55,10 +55,10 @@ def _scatter(records: list[dict[str, Any]], x: Callable[[dict], float], y: str, 
 def plot_frontier(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """``nll_vs_ffn_bytes.png``, ``kl_vs_ffn_bytes.png`` and, when records carry
     ``decode_tokens_per_s``, ``nll_vs_tokens_per_s.png``. Returns the PNG paths."""
-    import matplotlib
+    import matplotlib  # optional: plots need the eval extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: see above
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
-from ..flops import flops_report
-from ..loading import LoadedModel
-from ..methods import METHODS, Method, method_fields, method_label, parse_method_spec
+from ..analysis.flops import flops_report
+from ..loaded import LoadedModel
+from ..methods import Method, method_label, sweep
 from . import tasks as T
-from .data import INSTRUCTIONS, humaneval_problems
+from ..data import INSTRUCTIONS, humaneval_problems
 from .local_tasks import next_line_accuracy, write_next_line_task
 
 log = logging.getLogger(__name__)
@@ -54,16 +56,7 @@ def sweep_methods(specs: list[str], ratios: list[float], gamma: float, aggregate
     """Each method spec in the order given (``name`` or ``name:key=value:...``, see
     ``parse_method_spec``): once if it takes no ratio (dense, prefill-only), else at each ratio,
     with ``gamma`` and ``aggregate`` passed to the methods that take them."""
-    methods: list[Method] = []
-    for spec in specs:
-        name = spec.split(":")[0]
-        fields = set().union(*(method_fields(part) for part in name.split("+")))
-        hyper = {"gamma": gamma if "gamma" in fields else None}
-        if "aggregate" in fields and any(aggregate in getattr(METHODS[part], "aggregates", ()) for part in name.split("+")):
-            hyper["aggregate"] = aggregate
-        for ratio in ratios if "ratio" in fields else [None]:
-            methods.append(parse_method_spec(spec, **hyper, ratio=ratio))
-    return methods
+    return [method for _, method in sweep(specs, ratios, gamma=gamma, aggregate=aggregate)]
 
 
 def fidelity_prompts(model: LoadedModel, n_instructions: int, n_humaneval: int) -> list[list[int]]:
@@ -92,8 +85,6 @@ def evaluate(
     code_problems = humaneval_problems(settings.code_nll.subset) if "code_nll" in task_names else None
     task_dir = None
     if "next_line" in task_names:
-        import tempfile
-
         task_tmp = tempfile.TemporaryDirectory(prefix="popjax-next-line-")  # removed when the sweep returns
         task_dir = task_tmp.name
         write_next_line_task(task_dir, settings.next_line_play, settings.next_line_documents)
@@ -113,9 +104,7 @@ def evaluate(
         records.append({
             "method": method.name,
             "label": method_label(method, exclude=("ratio",)),
-            "ratio": getattr(method, "ratio", 0.0),
-            "gamma": getattr(method, "gamma", None),
-            "aggregate": getattr(method, "aggregate", None),
+            **method.reported(),
             "task": task,
             **metrics,
             "ffn_flops_overhead_vs_static": flops_report(model.config, method)["overhead_vs_static_of_dense"],
@@ -144,11 +133,10 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
 
 def plot_records(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """NLL by decode position per method, and each metric against the ratio. Returns PNG paths."""
-    import matplotlib
+    import matplotlib  # optional: plots need the eval extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # optional: see above
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

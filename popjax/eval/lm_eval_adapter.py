@@ -1,4 +1,5 @@
-"""popjax as a model of lm-evaluation-harness (PyPI ``lm-eval``), and the ``popjax lm-eval`` command.
+"""popjax as a model of lm-evaluation-harness (PyPI ``lm-eval``), as the ``popjax lm-eval`` command
+(``popjax/cli/lm_eval.py``) and the ``next_line`` task of ``popjax eval`` run it.
 
 Importing this module registers the model name ``"popjax"`` with lm-eval::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,16 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         return lambda cls: cls
 
 
+from tqdm import tqdm
+
+from .. import engine
 from ..convert.default_model import DEFAULT_MODEL
+from ..generation import MAX_STOP_IDS, generate_ids
+from ..loaded import LoadedModel
+from ..loading import load
+from ..methods import Method, make_method, method_class, method_fields
+from ..methods.base import ROW_AGGREGATES
+from .teacher import teacher_forced
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +85,10 @@ def _parse_batch_size(value: Any) -> int:
     return int(value)
 
 
-# aggregate values under which a row's result never depends on the other rows of its batch
-INDEPENDENT_AGGREGATES = ("per_sequence", "per_token")
-
-
-def build_method(method: str, hyper: dict[str, Any]):
+def build_method(method: str, hyper: dict[str, Any]) -> Method:
     """``make_method`` with lm-eval's model_args semantics: an unknown key is an error naming the
     valid ones; an unset ``aggregate`` becomes the first batch-independent value the method accepts
     (``per_sequence``, TEAL/CATS's ``per_token``), so a score never depends on its batch-mates."""
-    from ..methods import MethodError, make_method, method_fields
-
     fields = sorted(set().union(*(method_fields(name) for name in method.split("+"))) - {"mlp_method"})
     unknown = sorted(set(hyper) - set(fields))
     if unknown:
@@ -92,28 +97,12 @@ def build_method(method: str, hyper: dict[str, Any]):
             f"method={method!r}, its hyper-parameters {fields}"
         )
     if "aggregate" in fields and hyper.get("aggregate") is None:
-        for aggregate in INDEPENDENT_AGGREGATES:
-            try:
-                return make_method(method, **{**hyper, "aggregate": aggregate})
-            except MethodError as err:
-                if "aggregate" not in str(err):
-                    raise
+        accepted = set().union(*(method_class(name).aggregates for name in method.split("+")))
+        independent = [a for a in ROW_AGGREGATES if a in accepted]
+        if independent:
+            return make_method(method, **{**hyper, "aggregate": independent[0]})
         log.warning("method %r has no batch-independent aggregate: its scores depend on the batch", method)
     return make_method(method, **hyper)
-
-
-def batch_independent(method) -> bool:
-    """Whether a request's score cannot depend on the other rows of its batch (unknown: False,
-    which only costs compiles: such methods batch equal-length continuations only)."""
-    from ..methods import Dense
-
-    if hasattr(method, "mlp_method"):  # a layer-level method: its layer choice is per model
-        return method.mlp_method is None or batch_independent(method.mlp_method)
-    return (
-        isinstance(method, Dense)
-        or getattr(method, "aggregate", None) in INDEPENDENT_AGGREGATES
-        or bool(getattr(method, "batch_independent", False))
-    )
 
 
 @register_model("popjax")
@@ -135,7 +124,6 @@ class PopjaxLM(TemplateLM):
     ) -> None:
         require_lm_eval()
         super().__init__()
-        from ..loading import LoadedModel, load
 
         for name in IGNORED_ARGS:
             if method_args.pop(name, None) is not None:
@@ -152,7 +140,7 @@ class PopjaxLM(TemplateLM):
         if not 2 <= self._max_length <= context:
             raise ValueError(f"max_length={max_length} is outside [2, {context}] (the model's context)")
         self.max_gen_toks, self.seed, self.add_bos_token = int(max_gen_toks), int(seed), add_bos_token
-        self.independent = batch_independent(self.method)
+        self.independent = self.method.batch_independent
         # pad every log-likelihood request to the largest context and continuation buckets of the
         # call: one compile per method (for short tasks with many methods, compiles dominate)
         self.uniform_shapes = str(uniform_shapes).lower() in ("true", "1")  # model_args give strings
@@ -164,7 +152,7 @@ class PopjaxLM(TemplateLM):
         model_args parsing): how ``popjax eval`` runs lm-eval tasks inside its sweep."""
         lm = cls(source=model, method="dense", batch_size=batch_size, **kwargs)
         lm.method = method.prepare(model)
-        lm.independent = batch_independent(lm.method)
+        lm.independent = lm.method.batch_independent
         return lm
 
     # ------------------------------------------------------------ tokenisation (as lm-eval's HFLM)
@@ -224,10 +212,6 @@ class PopjaxLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """(cache key, context ids, continuation ids) -> (log-likelihood, is_greedy) per request:
         context through the method's prefill, continuation through its decode path."""
-        from tqdm import tqdm
-
-        from .. import engine
-        from .teacher import teacher_forced
 
         contexts, targets = [], []
         for _, context, continuation in requests:
@@ -282,7 +266,7 @@ class PopjaxLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts over lm-eval's disjoint rolling windows of ``max_length``
         tokens, the first conditioned on BOS/EOS, each scored as a (context, continuation) pair."""
-        from lm_eval import utils as lm_utils
+        from lm_eval import utils as lm_utils  # optional: lm-evaluation-harness (popjax[eval])
 
         windows, owners = [], []
         for index, (text,) in enumerate(req.args for req in requests):
@@ -310,8 +294,6 @@ class PopjaxLM(TemplateLM):
     def _single_token_stops(self, until: list[str]) -> list[int]:
         """Ids of ``until`` strings that are one whole token: the decode loop stops on them early
         (the text cut below stays the reference, so this only saves steps)."""
-        from ..generation import MAX_STOP_IDS
-
         eos = (set(self.model.config.eos_token_ids) | {self.tokenizer.eos_token_id}) - {None}
         ids: list[int] = []
         for text in until:
@@ -322,10 +304,8 @@ class PopjaxLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """``generate_ids`` with the method (greedy unless ``do_sample``), cut at ``until``."""
+        # optional: lm-evaluation-harness (popjax[eval])
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-        from tqdm import tqdm
-
-        from ..generation import generate_ids
 
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
@@ -366,4 +346,32 @@ class PopjaxLM(TemplateLM):
         return results
 
 
-# ---------------------------------------------------------------- the `popjax lm-eval` command
+# ---------------------------------------------------------------- tasks
+
+
+def task_manager_for(tasks: list[str], include_path: str | None, builtin: bool = True):
+    """A TaskManager that knows ``tasks``, or a ValueError naming the unknown ones.
+
+    Indexing lm-eval's thousands of built-in YAMLs takes tens of seconds, so when every task is
+    found under ``include_path`` the built-ins are not indexed (include_path wins either way);
+    ``builtin=False`` never indexes them."""
+    from lm_eval.tasks import TaskManager  # optional: lm-evaluation-harness (popjax[eval])
+
+    manager = None
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise FileNotFoundError(f"--include-path {include_path} is not a directory")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not builtin or all(local.match_tasks([t]) for t in tasks):
+            manager = local
+    elif not builtin:
+        raise ValueError("--no-builtin-tasks needs --include-path DIR (the local task YAMLs)")
+    if manager is None:
+        manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}; pass --include-path DIR for local task YAMLs "
+            "(`lm-eval ls tasks` lists the built-in ones)"
+        )
+    return manager

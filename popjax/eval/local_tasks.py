@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import HELD_OUT_PLAY, load_play
+from ..data import HELD_OUT_PLAY, load_play
+from .lm_eval_adapter import PopjaxLM, task_manager_for
 
 TASK = "shakespeare_next_line"
 CHOICES = 4
@@ -112,10 +113,7 @@ def write_task(directory: str | Path, docs: list[dict[str, Any]]) -> Path:
 def next_line_accuracy(model, method, directory: str | Path, batch_size: int = 8) -> dict[str, float]:
     """Runs the task in ``directory`` (see `write_next_line_task`) with lm-eval's
     ``simple_evaluate`` on a loaded model and method -> {"next_line_acc", "next_line_acc_norm"}."""
-    import lm_eval
-
-    from .lm_eval_adapter import PopjaxLM
-    from .lm_eval_cli import task_manager_for
+    import lm_eval  # optional: lm-evaluation-harness (popjax[eval])
 
     # one compile per method: the cloze's contexts and lines are short, so padding costs little
     lm = PopjaxLM.from_loaded(model, method, batch_size=batch_size, uniform_shapes=True)

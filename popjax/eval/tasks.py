@@ -13,7 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..generation import generate_ids
-from ..loading import LoadedModel
+from ..loaded import LoadedModel
 from ..methods import Dense, Method
 from .sandbox import run_python
 from .teacher import teacher_forced

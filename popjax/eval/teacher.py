@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import engine
 from ..generation import pad_batch, pad_token_id
-from ..loading import LoadedModel
+from ..loaded import LoadedModel
 from ..methods import Method, prepared
 
 
@@ -39,10 +39,11 @@ def teacher_forced(
     tokens, mask = pad_batch(prompts, pad_token_id(model), length=prompt_length, min_rows=min_rows)
     padded_targets = np.zeros((tokens.shape[0], targets.shape[1]), np.int32)
     padded_targets[: len(prompts)] = targets
-    plan = prepared(method, model).bind(model.config)
+    method = prepared(method, model)
+    plan = method.bind(model.config)
     nll, logp, records = engine.teacher_force(
         model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(padded_targets),
-        with_logprobs, tuple(record),
+        with_logprobs, tuple(record), data=method.data(model),
     )
     B = len(prompts)
     out = np.asarray(nll)[:B], (np.asarray(logp)[:B] if with_logprobs else None)

@@ -1,9 +1,9 @@
-"""Pruning methods behind one interface (SPEC §6) and their registry."""
+"""Pruning methods behind one interface (docs/methods.md §6) and their registry."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from .base import Method, MethodError, Plan, ffn_ratio, kept_channels
 from .bwap import BWAP, BWAPPlan
@@ -12,15 +12,15 @@ from .base import DensePlan
 from .dense import Dense
 from .dynamic import Dynamic, DynamicPlan
 from .flap import FLAP
-from .gate_scored import GateScoredPlan, GateScoredPOP
+from .pop.gate_scored import GateScoredPlan, GateScoredPOP
 from .griffin import GRIFFIN, GRIFFINPlan
-from .layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
-from .low_rank import LowRankFactors, LowRankPlan, LowRankPOP
-from .pop import POP, POPPlan, POPShardedPlan
-from .prefill_only import PrefillOnly, PrefillOnlyPlan
+from .pop.layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
+from .pop.low_rank import LowRankFactors, LowRankPlan, LowRankPOP
+from .pop.core import POP, POPPlan, POPShardedPlan
+from .prefill_only.method import PrefillOnly, PrefillOnlyPlan
 from .probe import ProbePruning, ProbePruningPlan
-from .shortlist import ShortlistPlan, ShortlistPOP
-from .shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
+from .pop.shortlist import ShortlistPlan, ShortlistPOP
+from .pop.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
 from .static import Static, StaticPlan
 from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
@@ -31,11 +31,21 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
+# earlier registry names still accepted (every name is hyphenated now)
+ALIASES = {"wanda_sp": "wanda-sp"}
+
+
+def method_class(name: str) -> type[Method]:
+    """The registered class of ``name`` (or of an earlier alias); MethodError for an unknown name."""
+    cls = METHODS.get(ALIASES.get(name, name))
+    if cls is None:
+        raise MethodError(f"unknown method {name!r}; valid methods: {sorted(METHODS)}")
+    return cls
+
+
 def method_fields(name: str) -> set[str]:
     """The hyper-parameter names of a registered method (MethodError for an unknown name)."""
-    if name not in METHODS:
-        raise MethodError(f"unknown method {name!r}; valid methods: {sorted(METHODS)}")
-    return {f.name for f in dataclasses.fields(METHODS[name])}
+    return set(method_class(name).hyper_parameters())
 
 
 def make_method(name: str, **hyper: Any) -> Method:
@@ -51,11 +61,11 @@ def make_method(name: str, **hyper: Any) -> Method:
         if unknown:
             raise MethodError(f"method {name!r} takes no {unknown}; its hyper-parameters: {sorted(layer_fields | mlp_fields)}")
         layer = make_method(layer_name, **{k: v for k, v in hyper.items() if k in layer_fields})
-        if not hasattr(layer, "mlp_method"):
+        if not layer.layer_level:
             raise MethodError(f"{layer_name!r} is not a layer-level method; only one MLP method can run per layer")
         return layer + make_method(mlp_name, **{k: v for k, v in hyper.items() if k in mlp_fields})
     fields = method_fields(name)
-    cls = METHODS[name]
+    cls = method_class(name)
     given = {k: v for k, v in hyper.items() if v is not None}
     unknown = sorted(set(given) - fields)
     if unknown:
@@ -88,6 +98,39 @@ def parse_method_spec(spec: str, **hyper: Any) -> Method:
             raise MethodError(f"method spec {spec!r}: {pair!r} is not key=value")
         hyper[key] = _spec_value(text)
     return make_method(name, **hyper)
+
+
+def sweep(specs: Sequence[str], ratios: Sequence[float | None] = (None,), *, dedupe: bool = False,
+          **defaults: Any) -> list[tuple[str, Method]]:
+    """The one sweep builder of eval, frontier, batch study and bench: (spec, method) for each
+    spec in the order given — once when it takes no ratio, else at each ratio.
+
+    ``defaults`` are hyper-parameters given to every method (part) that takes them; a spec's own
+    ``key=value`` wins. An ``aggregate`` default may be a tuple of preferences: the first value
+    the method accepts (its ``aggregates`` trait) is used, none if it accepts none of them.
+    ``dedupe`` drops repeated configurations (e.g. a spec fixing its own ratio)."""
+    out, seen = [], set()
+    for spec in specs:
+        name = spec.split(":")[0]
+        parts = name.split("+")
+        fields = set().union(*(method_fields(part) for part in parts))  # MethodError for an unknown name
+        hyper: dict[str, Any] = {}
+        for key, value in defaults.items():
+            if key not in fields or value is None:
+                continue
+            if key == "aggregate":
+                accepted = set().union(*(method_class(part).aggregates for part in parts))
+                value = next((v for v in (value if isinstance(value, tuple) else (value,)) if v in accepted), None)
+                if value is None:
+                    continue
+            hyper[key] = value
+        for ratio in ratios if "ratio" in fields else [None]:
+            method = parse_method_spec(spec, **hyper, **({"ratio": ratio} if ratio is not None else {}))
+            if dedupe and repr(method) in seen:
+                continue
+            seen.add(repr(method))
+            out.append((spec, method))
+    return out
 
 
 def _spec_value(text: str) -> Any:
@@ -163,9 +206,11 @@ __all__ = [
     "ffn_ratio",
     "kept_channels",
     "make_method",
+    "method_class",
     "method_fields",
     "method_label",
     "parse_method_spec",
     "prepared",
     "resolve_method",
+    "sweep",
 ]

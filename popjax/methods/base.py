@@ -1,35 +1,24 @@
-"""The pruning-method interface (SPEC §6), global→FFN ratio allocation (SPEC §1) and MLP helpers.
-
-A method is a frozen dataclass of hyper-parameters. ``method.bind(config)`` resolves it into a
-*plan*: a frozen, hashable dataclass of static sizes (a jit static argument) with two pure
-functions called at every layer's MLP:
-
-    plan.prefill(w, x [B, T, d], valid [B, T]) -> (y [B, T, d], state, aux)
-    plan.decode(w, state, x_t [B, 1, d], step, valid [B, 1]) -> (y_t [B, 1, d], state, aux)
-
-``valid`` marks real tokens: padding in prefill, and in decode the rows of a padded batch
-bucket or of sequences that have already stopped; no statistic may include an invalid entry.
-``step`` is the int32 index of the decode-path call (0 for the first token fed after prefill).
-
-``w`` holds ``gate_up [2, f, d]`` (gate and up stacked), ``down [d, f]`` (HF layout),
-``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model) and ``layer`` (the layer index, an
-int32 scalar, for per-layer calibrated constants). ``aux`` is introspection data; the engine drops it unless asked, and XLA then
-removes its computation.
-"""
+"""The method interface (docs/methods.md §6): ``Method`` (hyper-parameters; ``bind`` resolves a
+plan, ``prepare`` calibrates), the global→FFN ratio allocation (§1), and the channel helpers the
+FFN methods share (importance, ranking, compact copies). The plan protocol the engine calls and
+the FFN math live one layer down, in ``popjax.ffn``."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from ..sharding import pad_ids, split_channels, take_split, take_split_rows
+from ..ffn import Plan, activations, down_proj, gate_and_up  # noqa: F401 (gate_and_up: re-exported for the methods)
+from ..sharding import pad_ids, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
+# aggregates under which every row gets its own statistics (its output ignores its batch-mates)
+ROW_AGGREGATES = ("per_sequence", "per_token")
 # Channel indices come from top_k over the channels themselves, so they are always in bounds.
 # jnp.take's default mode ("fill") adds a bounds-check select over every gathered block, a
 # per-step cost; "clip" clamps only the index vector.
@@ -42,7 +31,7 @@ class MethodError(ValueError):
 
 
 def ffn_ratio(cfg: ModelConfig, ratio: float) -> float:
-    """Global decoder-parameter ratio r -> FFN ratio r·(P_attn + P_mlp)/P_mlp (SPEC §1)."""
+    """Global decoder-parameter ratio r -> FFN ratio r·(P_attn + P_mlp)/P_mlp (docs/methods.md §1)."""
     check_global_ratio(ratio)
     p_attn, p_mlp = cfg.attention_params_per_layer(), cfg.mlp_params_per_layer()
     r_ffn = ratio * (p_attn + p_mlp) / p_mlp
@@ -87,34 +76,6 @@ def check_gamma(gamma: float) -> None:
 
 
 # ---------------------------------------------------------------- shared MLP math
-
-
-def gate_and_up(gate_up: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(x W_gᵀ, x W_uᵀ) in one dot: x [..., d], gate_up [2, n, d] -> ([..., n], [..., n]).
-
-    Without a mesh the dot reads gate_up as the [2n, d] matrix it is in memory (a free
-    reshape): XLA:CPU compiles dots over the [2, n, d] operand with transposes, of the weights
-    (output [..., 2, n]: 3x the bytes) or of the output (output [2, ..., n]: +34% time at
-    prefill); tools/gate_up_layout_bench.py. On a mesh it contracts [2, n, d] directly: the
-    reshape would merge the split f axis with the (gate, up) axis, a layout XLA can only reach
-    by re-sharding the weights."""
-    if split_channels() > 1:
-        gu = jnp.einsum("...d,gnd->g...n", x, gate_up)
-        return gu[0], gu[1]
-    n = gate_up.shape[1]
-    gu = jnp.einsum("...d,nd->...n", x, gate_up.reshape(2 * n, gate_up.shape[2]))
-    return gu[..., :n], gu[..., n:]
-
-
-def activations(gate_up: jax.Array, x: jax.Array) -> jax.Array:
-    """H = silu(x W_gᵀ) ⊙ (x W_uᵀ): x [..., d], gate_up [2, n, d] -> [..., n]."""
-    gate, up = gate_and_up(gate_up, x)
-    return jax.nn.silu(gate) * up
-
-
-def down_proj(h: jax.Array, down: jax.Array) -> jax.Array:
-    """h [..., n] with down [d, n] -> [..., d]."""
-    return jnp.einsum("...n,dn->...d", h, down)
 
 
 def prefill_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
@@ -172,7 +133,7 @@ def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array
 
 
 def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep: int):
-    """The common prefill of prompt-scored methods (SPEC §2, "Prefill"): H on all f channels,
+    """The common prefill of prompt-scored methods (docs/methods.md §2, "Prefill"): H on all f channels,
     importance over valid tokens, the ranking, and the layer output under the pruning structure
     (W_d applied to the top ``n_keep`` channels).
 
@@ -202,50 +163,6 @@ def decode_per_sequence(decode_shared, w, state, x, step, valid):
         return y[0], new_state, aux
 
     return jax.vmap(one)(state, x, valid)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A method resolved for one model: static sizes plus the prefill/decode functions."""
-
-    name: ClassVar[str] = "plan"
-    f: int  # intermediate size
-    n_keep: int  # channels used per token
-
-    def prefill(self, w, x, valid):  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def decode(self, w, state, x, step, valid):  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def ffn_flops_per_token(self, d: int) -> int:
-        """Analytic FFN FLOPs per decode token per layer (2 per multiply-add), SPEC §2."""
-        raise NotImplementedError  # pragma: no cover - interface
-
-    def ffn_weights_read(self, d: int) -> int:
-        """FFN weight elements one decode step reads per layer (for the memory roofline)."""
-        raise NotImplementedError  # pragma: no cover - interface
-
-    def ffn_weights_read_per_step(self, d: int, batch: int) -> int:
-        """FFN weight elements a decode step of ``batch`` rows reads per layer: the shared
-        weights once, unless the plan keeps a compact copy per sequence (see AggregatedPlan)."""
-        return self.ffn_weights_read(d)
-
-    # Layer-level hooks (SPEC §4, §6), consulted by the engine; the defaults describe a method
-    # that acts only inside each layer's MLP.
-    def prefill_layer_modes(self, n_layers: int) -> tuple[str, ...] | None:
-        """Per-layer prefill modes for the decoder ("full", "kv", "none"); None = all full."""
-        return None
-
-    def prefix_masked_layers(self) -> frozenset[int]:
-        """Layers whose decode attention ignores the prefilled slots (they wrote none)."""
-        return frozenset()
-
-    @property
-    def boundary(self) -> bool:
-        """Whether the last prompt token skips prefill and runs the full model as the first
-        decode-path step (Prefill-Only Pruning's boundary token)."""
-        return False
 
 
 def dense_mlp(w, x):
@@ -304,9 +221,53 @@ class AggregatedPlan(Plan):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """Base of user-facing methods: hyper-parameters only; ``bind`` resolves the plan."""
+    """Base of user-facing methods: hyper-parameters only; ``bind`` resolves the plan.
+
+    A method declares its traits, which every caller (evaluation, lm-eval, sweeps, sharding)
+    asks instead of probing field names: ``needs_calibration`` (``prepare`` fits data offline;
+    the class declares it as ``calibrates``),
+    ``layer_level`` (it acts on whole layers and composes with an FFN method through ``+``),
+    ``aggregates`` (the values its ``aggregate`` takes), ``takes_ratio``, ``ffn_method`` (the
+    method acting in each FFN), ``batch_independent`` and ``reported`` (what records show)."""
 
     name: ClassVar[str] = "method"
+    calibrates: ClassVar[bool] = False
+    layer_level: ClassVar[bool] = False
+    aggregates: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def hyper_parameters(cls) -> tuple[str, ...]:
+        """The names of the method's hyper-parameters (its dataclass fields)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def takes_ratio(cls) -> bool:
+        """Whether the method prunes a global ``ratio`` of decoder parameters."""
+        return "ratio" in cls.hyper_parameters()
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether ``prepare`` fits data offline (once per model, cached) for this method."""
+        return self.calibrates
+
+    @property
+    def ffn_method(self) -> "Method":
+        """The method that runs in every layer's FFN: the method itself, or a layer-level
+        method's inner FFN method."""
+        return self
+
+    @property
+    def batch_independent(self) -> bool:
+        """Whether one sequence's output cannot depend on the other rows of its batch (a
+        per-row aggregate). Unknown is False: callers then batch only what may share."""
+        return "aggregate" in self.hyper_parameters() and self.aggregate in ROW_AGGREGATES
+
+    def reported(self) -> dict[str, Any]:
+        """The hyper-parameters every evaluation record reports, of the FFN method: ``ratio``
+        (0.0 when it takes none), ``gamma`` and ``aggregate`` (None when it has none)."""
+        inner = self.ffn_method
+        fields = {name: getattr(inner, name) for name in inner.hyper_parameters()}
+        return {"ratio": fields.get("ratio") or 0.0, "gamma": fields.get("gamma"), "aggregate": fields.get("aggregate")}
 
     def bind(self, cfg: ModelConfig) -> Plan:  # pragma: no cover - interface
         raise NotImplementedError
@@ -316,10 +277,16 @@ class Method:
         disk); online methods are ready as they are."""
         return self
 
+    def data(self, model) -> dict | None:
+        """The prepared method's calibrated data for ``model``: a pytree of arrays that the
+        engine passes into its compiled programs as a traced argument (a new calibration then
+        compiles nothing); None when the method has none."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class RatioMethod(Method):
-    """A method pruning a global ``ratio`` of decoder parameters from the FFN (SPEC §1), in the
+    """A method pruning a global ``ratio`` of decoder parameters from the FFN (docs/methods.md §1), in the
     shared or per-sequence aggregate mode. Subclasses name their plan class and may add sizes
     in ``plan_sizes``; a ratio that keeps every channel binds to the dense plan."""
 

@@ -1,4 +1,4 @@
-"""Batch-wise Adaptive Pruning (BWAP; arXiv 2608.14003; SPEC §3).
+"""Batch-wise Adaptive Pruning (BWAP; arXiv 2608.14003; docs/methods.md §3).
 
 One channel mask per batch and layer, chosen by periodic top-k on batch-aggregated activation
 scores with an activation memory:
@@ -28,7 +28,7 @@ gathered at prefill (from s₀) and at every update (inside the update branch of
 so other steps do no gather); pruned steps read only them. State per layer: ``memory [f]``,
 ``kept_idx [k]``, ``sumsq [B, f]``, ``count [B]``, ``gate_up [2, k, d]``, ``down_rows [k, d]``.
 
-**Budget**: ``ratio`` is the global ratio of SPEC §1 (k = n_keep); ``ffn_sparsity=ρ`` is the
+**Budget**: ``ratio`` is the global ratio of docs/methods.md §1 (k = n_keep); ``ffn_sparsity=ρ`` is the
 paper's target sparsity instead (k = ⌊(1 − ρ)·f⌋). ``ffn_weights_read`` is the average over
 one cycle, the update's gather included: (t_prune·3dk + t_explore·3df + 3dk) / (t_prune + t_explore);
 `pruned_step_weights_read` and `explore_step_weights_read` give the two step kinds.
@@ -56,7 +56,7 @@ DEFAULT_RATIO = 0.2
 
 
 def check_ratio_or_sparsity(method: str, ratio, ffn_sparsity) -> None:
-    """Exactly one budget: the global ``ratio`` (SPEC §1) or the paper's ``ffn_sparsity``."""
+    """Exactly one budget: the global ``ratio`` (docs/methods.md §1) or the paper's ``ffn_sparsity``."""
     if ratio is not None and ffn_sparsity is not None:
         raise MethodError(f"{method}: give ratio={ratio!r} or ffn_sparsity={ffn_sparsity!r}, not both")
     if ratio is not None:
@@ -223,7 +223,7 @@ class BWAP(Method):
     aggregate="max")`` (see the module docstring).
 
     Args:
-      ratio: global fraction of decoder parameters removed (SPEC §1), in [0, 1); default 0.2.
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), in [0, 1); default 0.2.
       ffn_sparsity: instead of ``ratio``, the fraction ρ of FFN channels pruned (k = ⌊(1−ρ)f⌋).
       t_init: dense exploration steps before the first mask (≥ 1).
       t_explore: dense exploration steps per cycle (≥ 1).
@@ -234,6 +234,7 @@ class BWAP(Method):
     """
 
     name: ClassVar[str] = "bwap"
+    aggregates: ClassVar[tuple[str, ...]] = BATCH_AGGREGATES
     ratio: float | None = None
     _: dataclasses.KW_ONLY
     ffn_sparsity: float | None = None

@@ -1,4 +1,4 @@
-"""CATS — contextually-aware thresholding for sparsity (arXiv 2404.08763; SPEC §5).
+"""CATS — contextually-aware thresholding for sparsity (arXiv 2404.08763; docs/methods.md §5.6).
 
 Per layer l one threshold t[l], calibrated offline on dense activations so that
 ``P(|silu(W_g x)| < t) = s`` on the calibration corpus. At a decode step the gate activations
@@ -17,8 +17,8 @@ expected weights read of a structured method keeping n_keep channels,
 That is possible only while s < 1 (n_keep > f/3); a larger ratio is an error, not a clamp.
 ``ffn_sparsity=s`` gives the paper's channel sparsity directly (and then reads more weights).
 
-**Batches**, **prefill**, **calibration** and **MoE models** (one threshold per expert): as
-TEAL (`popjax.methods.teal`): ``aggregate``
+**Batches**, **prefill**, **calibration**, **MoE models** (one threshold per expert) and the
+**thresholds as data** (``data(model)``, not plan fields): as TEAL (`popjax.methods.teal`): ``aggregate``
 "max"/"mean" aggregate |g| over the batch's valid rows and threshold once per batch
 (per-token at batch 1), "per_token" masks every row alone; the prompt runs dense.
 """
@@ -39,18 +39,27 @@ from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
 @dataclasses.dataclass(frozen=True)
 class CATSPlan(Plan):
+    """CATS's decode (docs/methods.md §5.6): static budget and batch rule only; the thresholds
+    are the method's data, ``w["data"]["thresholds"]["gate"]`` [L] float32 ([L, slots] on a MoE
+    model; `popjax.methods.teal.thresholds_data`)."""
+
     name: ClassVar[str] = "cats"
     sparsity: float = 0.0  # target fraction of channels zeroed
     aggregate: str = "max"
-    thresholds: tuple[float, ...] = ()
+
+    @property
+    def requires_data(self) -> bool:
+        return True
 
     def prefill(self, w, x, valid):
         return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
+        """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
         gate, up = gate_and_up(w["gate_up"], x)
         gate = jax.nn.silu(gate)
-        keep, density = threshold_keep(gate, valid, layer_threshold(self.thresholds, w["layer"], w.get("block")), self.aggregate)
+        t = layer_threshold(w["data"]["thresholds"]["gate"], w["layer"], w.get("block"))
+        keep, density = threshold_keep(gate, valid, t, self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))
         return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}
 
@@ -88,7 +97,5 @@ class CATS(ThresholdMethod):
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)
-        return CATSPlan(
-            f=f, n_keep=round(f * (1.0 + 2.0 * (1.0 - s)) / 3.0), sparsity=s, aggregate=self.aggregate,
-            thresholds=self._thresholds_for(cfg)["gate"],
-        )
+        self._thresholds_for(cfg)  # an unprepared or mismatched method fails here, as it always has
+        return CATSPlan(f=f, n_keep=round(f * (1.0 + 2.0 * (1.0 - s)) / 3.0), sparsity=s, aggregate=self.aggregate)

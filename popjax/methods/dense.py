@@ -16,5 +16,9 @@ class Dense(Method):
 
     name: ClassVar[str] = "dense"
 
+    @property
+    def batch_independent(self) -> bool:
+        return True
+
     def bind(self, cfg: ModelConfig) -> Plan:
         return DensePlan(f=cfg.intermediate_size, n_keep=cfg.intermediate_size)

@@ -1,4 +1,4 @@
-"""Fully dynamic ablation (POP paper Table 6, variant 2; SPEC §2).
+"""Fully dynamic ablation (POP paper Table 6, variant 2; docs/methods.md §2).
 
 Every decode step computes H_t on all f channels and keeps the top n_keep by
 ``‖H_t[:, j]‖₂ · ‖W_d[:, j]‖₂``. The prompt is processed like POP's prefill (top n_keep by

@@ -1,5 +1,5 @@
 """FLAP — FLuctuation-based Adaptive structured Pruning ("Fluctuation-based Adaptive Structured
-Pruning for Large Language Models", An, Zhao, Yu, Tang and Wang, AAAI 2024; SPEC §5), FFN part.
+Pruning for Large Language Models", An, Zhao, Yu, Tang and Wang, AAAI 2024; docs/methods.md §5.2), FFN part.
 
 From the dense model's activations a = H (the input of W_d) on calibration tokens, per layer l:
 
@@ -7,7 +7,7 @@ From the dense model's activations a = H (the input of W_d) on calibration token
     S_j = F_j · Σ_i W_d[i, j]²                z_j = (S_j − mean_l S) / std_l S  (standardised)
 
 then ONE global threshold over the z-scores of all layers keeps ``L · n_keep`` channels in total
-(the global budget of SPEC §1), so each layer gets its own width. The output of a pruned channel
+(the global budget of docs/methods.md §1), so each layer gets its own width. The output of a pruned channel
 is replaced by its calibration mean: **bias compensation** ``b_l = W_d[:, P_l] · μ[P_l]`` (P_l the
 pruned channels of layer l) is added to the down projection's output.
 
@@ -35,7 +35,9 @@ Only the method form runs on MoE models; ``prune_model`` refuses them (popjax.pr
 
 **Two forms.** ``popjax.pruned.prune_model(model, FLAP(ratio))`` gives the deployable checkpoint
 (per-layer FFN widths plus a down bias); ``FLAP(ratio).calibrate(model)`` used as a method in
-``generate`` applies the same kept channels and bias on the unpruned weights (SelectionPlan).
+``generate`` applies the same kept channels and bias on the unpruned weights (SelectionPlan),
+both passed into the compiled programs as the method's data (``data(model)``: ids [L, n_max]
+int32, bias [L, d] float32), not baked into them.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ..calibration import CalibrationError, Corpus, Statistic, calibrate
 from .base import MethodError, ffn_ratio
 from .wanda_sp import CalibratedPruning, ChannelSelection
+from ..models.moe import slot_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +121,7 @@ class FLAP(CalibratedPruning):
     kept channels and bias (see the module docstring).
 
     Args:
-      ratio: SPEC §1's global ratio; the layers keep ``L · n_keep`` channels in total.
+      ratio: docs/methods.md §1's global ratio; the layers keep ``L · n_keep`` channels in total.
       min_keep: the floor, as a fraction of f each layer keeps at least (≥ 1 channel), in [0, 1].
     """
 
@@ -169,8 +173,6 @@ def _block_selection(model, stats: dict[str, np.ndarray], n_keep: int, floor: in
     """FLAP over the FFN blocks of a MoE model (stats [L, slots, ...]): the blocks with
     calibration tokens take part as FLAP's units; the others keep their first n_keep channels
     (the weight-only ranking) with no bias -> (kept ids per (layer, slot) row-major, bias [L·slots, d])."""
-    from ..models.moe import slot_array
-
     cfg = model.config
     L = cfg.num_hidden_layers
     layers = _layers(model)
@@ -189,6 +191,4 @@ def _block_selection(model, stats: dict[str, np.ndarray], n_keep: int, floor: in
 
 def _layers(model) -> dict[int, Any]:
     """The layers' parameter dicts of a LoadedModel, by index."""
-    from flax import nnx
-
     return {int(i): layer for i, layer in nnx.to_pure_dict(model.params)["layers"].items()}

@@ -1,5 +1,5 @@
 """GRIFFIN — prompt-prompted structured FFN pruning ("Prompt-prompted Adaptive Structured Pruning
-for Efficient LLM Generation", Dong, Chen and Chi, COLM 2024; SPEC §5).
+for Efficient LLM Generation", Dong, Chen and Chi, COLM 2024; docs/methods.md §5).
 
 GRIFFIN observes "flocking": within one sequence, the FFN channels that are active are nearly the
 same from token to token. It therefore scores channels once, on the prompt, with a token-normalised
@@ -12,11 +12,11 @@ activation metric and keeps the top channels for the whole generation:
 Unlike POP's metric there is no weight norm, and every token has the same total weight (its row is
 unit-norm), so a few tokens with large activations cannot dominate the selection.
 
-Decisions where the paper is silent or differs from SPEC §2's static variant:
+Decisions where the paper is silent or differs from docs/methods.md §2's static variant:
 
 * **The prompt runs dense.** As in the paper, the prompt phase uses the full FFN; the selection
   only affects generated tokens (static.py, by contrast, applies the pruning structure to the
-  prompt's output too, as SPEC §2 prescribes for POP and its ablations).
+  prompt's output too, as docs/methods.md §2 prescribes for POP and its ablations).
 * **Batches.** ``aggregate="shared"``: one selection per batch, s_j over every valid token of every
   sequence. ``aggregate="per_sequence"`` (the paper's setting, batch of one): a selection per
   sequence. A token whose activation row is all zeros contributes nothing (z_t = 0).
@@ -69,7 +69,7 @@ class GRIFFIN(RatioMethod):
     """GRIFFIN: ``GRIFFIN(ratio=0.2, aggregate="shared" | "per_sequence")``.
 
     Args:
-      ratio: global fraction of decoder parameters removed (SPEC §1), all from the FFN.
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
       aggregate: "shared" (one selection from every valid token of the batch) or "per_sequence"
         (the paper's per-prompt selection).
     """

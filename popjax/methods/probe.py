@@ -1,5 +1,5 @@
 """Probe Pruning — "Probe Pruning: Accelerating LLMs through Dynamic Pruning via Model-Probing"
-(Le, Diao, Wang, Wang, Ding, Yang, Anwar; ICLR 2025, arXiv 2502.15618; SPEC §5), FFN part.
+(Le, Diao, Wang, Wang, Ding, Yang, Anwar; ICLR 2025, arXiv 2502.15618; docs/methods.md §5), FFN part.
 
 PP prunes batch by batch, in three stages per FFN and per forward pass:
 
@@ -180,7 +180,7 @@ class ProbePruning(RatioMethod):
     """Probe Pruning: ``ProbePruning(ratio=0.2, probe_batch=0.05, probe_tokens=0.5, momentum=0.99)``.
 
     Args:
-      ratio: global fraction of decoder parameters removed (SPEC §1), all from the FFN.
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
       probe_batch: fraction of the valid sequences probed per forward pass, in (0, 1] (at least one;
         paper default 5%).
       probe_tokens: fraction of each probed sequence's valid tokens, in (0, 1] (paper default 50%).

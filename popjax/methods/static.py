@@ -1,4 +1,4 @@
-"""Static ablation (POP paper Table 6, variant 1; ≈ GRIFFIN with POP's metric; SPEC §2).
+"""Static ablation (POP paper Table 6, variant 1; ≈ GRIFFIN with POP's metric; docs/methods.md §2).
 
 The top n_keep channels by prefill importance are fixed for the whole generation; their
 gate/up rows and down columns are gathered once at prefill (on a mesh: split over "model",

@@ -1,4 +1,4 @@
-"""TEAL — training-free magnitude activation sparsity (arXiv 2408.14690; SPEC §5), and the
+"""TEAL — training-free magnitude activation sparsity (arXiv 2408.14690; docs/methods.md §5.5), and the
 threshold machinery it shares with CATS.
 
 Per layer l two thresholds, calibrated offline on dense activations so that
@@ -28,6 +28,11 @@ prompt sparsification is an evaluation device); BWAP treats the prompt as dense 
 from the histograms of the calibration tokens routed to that expert (all tokens for a shared or
 dense-layer block); a block no calibration token reached takes the threshold of its layer's
 blocks pooled. At run time each block uses its own (``w["block"]``).
+
+**Thresholds are data, not plan fields**: ``calibrate`` gives a hashable `Thresholds` (what the
+cache stores); ``data(model)`` turns it into float32 arrays that the engine passes into its
+compiled programs beside the weights (``w["data"]``), so a new calibration compiles nothing and
+no threshold table is baked into the program. The plans hold only the static budget and rule.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..loading import unrolled
+from ..loaded import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
 from ..models.config import ModelConfig
 from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, kept_channels
@@ -51,7 +56,8 @@ THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """Per-layer thresholds of a calibrated threshold method (hashable: they become plan fields).
+    """Per-layer thresholds of a calibrated threshold method: what ``calibrate`` produces and the
+    calibration cache stores (`thresholds_data` turns them into the arrays the plans read).
 
     ``per_tensor`` = ((tensor name, (t_0, ..., t_{L−1})), ...) (a MoE model's t_l is a tuple over
     block slots, see the module docstring); ``sparsity`` = (tensor name,
@@ -104,11 +110,19 @@ def block_quantiles(counts: np.ndarray, s: float) -> tuple:
     )
 
 
-def layer_threshold(thresholds: tuple, layer: jax.Array, block: jax.Array | None = None) -> jax.Array:
-    """This FFN block's threshold, picked inside jit by the layer index ``w["layer"]`` and, in a
-    MoE model (thresholds [L][slots]), the block slot ``w["block"]``."""
-    table = jnp.asarray(thresholds, jnp.float32)[layer]
-    return table if block is None else table[block]
+def thresholds_data(thresholds: dict[str, tuple]) -> dict[str, dict[str, jax.Array]]:
+    """Per-layer thresholds as the calibrated data the plans read (`Method.data`, ``w["data"]``):
+    {tensor: (t_0, ..., t_{L−1})} -> ``{"thresholds": {tensor: [L] float32}}``; a MoE model's
+    per-slot thresholds (t_l a tuple over block slots) give [L, slots]."""
+    return {"thresholds": {tensor: jnp.asarray(np.asarray(values, np.float32)) for tensor, values in thresholds.items()}}
+
+
+def layer_threshold(table: jax.Array, layer: jax.Array, block: jax.Array | None = None) -> jax.Array:
+    """This FFN block's threshold from a data table [L] float32, picked inside jit by the layer
+    index ``w["layer"]`` and, in a MoE model (table [L, slots]), the block slot ``w["block"]``
+    -> [] float32."""
+    row = table[layer]
+    return row if block is None else row[block]
 
 
 def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str) -> tuple[jax.Array, jax.Array]:
@@ -143,6 +157,8 @@ class ThresholdMethod(Method):
     """Base of TEAL and CATS: a budget (``ratio`` or ``ffn_sparsity``), the batch rule and the
     calibrated `Thresholds` (None until `calibrate`; ``bind`` needs them)."""
 
+    calibrates: ClassVar[bool] = True
+    aggregates: ClassVar[tuple[str, ...]] = THRESHOLD_AGGREGATES
     ratio: float | None = None
     _: dataclasses.KW_ONLY
     ffn_sparsity: float | None = None
@@ -169,9 +185,21 @@ class ThresholdMethod(Method):
 
     def prepare(self, model) -> "ThresholdMethod":
         """Ready for ``model``: itself when calibrated (or dense), else `calibrate` (cached)."""
-        if self.thresholds is not None or all(s == 0.0 for _, s in self.targets(model.config).values()):
+        if self.thresholds is not None or self._dense(model.config):
             return self
         return self.calibrate(model)
+
+    def data(self, model) -> dict | None:
+        """The thresholds for ``model`` as arrays, checked against its budget and shape:
+        ``{"thresholds": {tensor: [L] float32}}`` ([L, slots] on a MoE model; see
+        `thresholds_data`); None when the budget prunes nothing (the dense plan reads none)."""
+        if self._dense(model.config):
+            return None
+        return thresholds_data(self._thresholds_for(model.config))
+
+    def _dense(self, cfg: ModelConfig) -> bool:
+        """Whether the budget zeroes nothing (then ``bind`` gives the dense plan)."""
+        return all(s == 0.0 for _, s in self.targets(cfg).values())
 
     def _thresholds_for(self, cfg: ModelConfig) -> dict[str, tuple[float, ...]]:
         name = type(self).__name__
@@ -197,20 +225,27 @@ class ThresholdMethod(Method):
 
 @dataclasses.dataclass(frozen=True)
 class TEALPlan(Plan):
+    """TEAL's decode (docs/methods.md §5.5): static budget and batch rule only; the thresholds
+    are the method's data, ``w["data"]["thresholds"]["x"]`` and ``["h"]``, each [L] float32
+    ([L, slots] on a MoE model; `thresholds_data`)."""
+
     name: ClassVar[str] = "teal"
     sparsity: float = 0.0  # target on both tensors
     aggregate: str = "max"
-    thresholds_x: tuple[float, ...] = ()
-    thresholds_h: tuple[float, ...] = ()
+
+    @property
+    def requires_data(self) -> bool:
+        return True
 
     def prefill(self, w, x, valid):
         return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
-        layer, block = w["layer"], w.get("block")
-        keep_x, dens_x = threshold_keep(x, valid, layer_threshold(self.thresholds_x, layer, block), self.aggregate)
+        """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
+        layer, block, t = w["layer"], w.get("block"), w["data"]["thresholds"]
+        keep_x, dens_x = threshold_keep(x, valid, layer_threshold(t["x"], layer, block), self.aggregate)
         h = activations(w["gate_up"], jnp.where(keep_x, x, 0))
-        keep_h, dens_h = threshold_keep(h, valid, layer_threshold(self.thresholds_h, layer, block), self.aggregate)
+        keep_h, dens_h = threshold_keep(h, valid, layer_threshold(t["h"], layer, block), self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
         return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}
 
@@ -242,8 +277,5 @@ class TEAL(ThresholdMethod):
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)
-        t = self._thresholds_for(cfg)
-        return TEALPlan(
-            f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate,
-            thresholds_x=t["x"], thresholds_h=t["h"],
-        )
+        self._thresholds_for(cfg)  # an unprepared or mismatched method fails here, as it always has
+        return TEALPlan(f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate)

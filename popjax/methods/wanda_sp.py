@@ -1,12 +1,12 @@
 """Wanda-sp — the structured variant of Wanda ("A Simple and Effective Pruning Approach for Large
 Language Models", Sun, Liu, Bair and Kolter, ICLR 2024), as defined and used as a baseline by FLAP
-(An et al., AAAI 2024; SPEC §5). Also the machinery both offline baselines share.
+(An et al., AAAI 2024; docs/methods.md §5.1). Also the machinery both offline baselines share.
 
 **Metric.** For the input a = H of W_d (the intermediate activation) on calibration tokens,
 
     S_j = mean_i |W_d[i, j]| · sqrt(mean_t a_{t,j}²)
 
-and every layer keeps its top n_keep channels (uniform ratio; n_keep from SPEC §1's global ratio).
+and every layer keeps its top n_keep channels (uniform ratio; n_keep from docs/methods.md §1's global ratio).
 
 **Pruned in order.** Layer l is scored on inputs that already went through the pruned layers
 < l. The calibration pass does exactly that in one prefill: the whole corpus goes through as ONE
@@ -18,8 +18,11 @@ corpus size with the activation memory in mind.
 **Two forms.** ``WandaSP(ratio).calibrate(model)`` (or ``prepare``: calibrate once, cached by
 popjax.calibration) gives a method whose kept channels are fixed; used in ``generate`` it gathers
 the kept gate/up rows and down columns at prefill and runs the prompt and every step on them
-(`SelectionPlan`). ``popjax.pruned.prune_model(model, WandaSP(ratio))`` writes them into a
-smaller checkpoint instead: the deployable form, with the same outputs.
+(`SelectionPlan`). The kept ids are the method's data (``data(model)``: arrays passed into the
+compiled programs beside the weights), not plan fields, so no id table is baked into a program
+and a new calibration compiles nothing (FLAP's: unless its widest layer's width changes, a
+shape). ``popjax.pruned.prune_model(model, WandaSP(ratio))`` writes them into a smaller
+checkpoint instead: the deployable form, with the same outputs.
 
 **Mixture-of-experts models** (docs/moe.md): every FFN block is pruned on its own — a routed
 expert scored on the calibration tokens the router sent to it, a shared-expert or dense-layer
@@ -39,10 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..loading import unrolled
+from ..loaded import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
 from ..models.config import ModelConfig
-from ..models.moe import table_row
 from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
 from .base import copy_channels, copy_gate_up, rank_channels
 
@@ -50,7 +52,8 @@ from .base import copy_channels, copy_gate_up, rank_channels
 @dataclasses.dataclass(frozen=True)
 class ChannelSelection:
     """What an offline method calibrated: per layer the kept channel ids (ascending) and, for FLAP,
-    the bias b_l [d] added to the down projection. Hashable: it becomes plan fields.
+    the bias b_l [d] added to the down projection. What ``calibrate`` produces and the
+    calibration cache stores; `selection_data` turns it into the arrays the plan reads.
 
     ``method`` and ``ratio`` say what it was calibrated for; ``source`` names model and corpus.
     ``blocks`` > 0 (a MoE model): ``kept`` and ``bias`` hold one entry per FFN block, row-major
@@ -71,31 +74,55 @@ class ChannelSelection:
         return f"ChannelSelection({self.method}, ratio={self.ratio}, widths={list(self.widths)}, from {self.source!r})"
 
 
+def selection_data(kept, bias=None, blocks: int = 0) -> dict[str, jax.Array]:
+    """Kept channel ids (and FLAP's bias) as the calibrated data `SelectionPlan` reads
+    (`Method.data`, ``w["data"]``).
+
+    kept: R rows of ascending ids (R = L, or L·blocks row-major over (layer, block slot) on a MoE
+    model); bias: R rows of d values, or None ->
+    ``{"kept": [L, n_max] int32, "bias": [L, d] float32}`` (no "bias" without one; [L, blocks,
+    ...] when ``blocks`` > 0). Rows narrower than the widest, n_max, are padded with −1."""
+    n_max = max(len(k) for k in kept)
+    ids = np.full((len(kept), n_max), -1, np.int32)
+    for r, k in enumerate(kept):
+        ids[r, : len(k)] = k
+    lead = (-1, blocks) if blocks else (-1,)
+    out = {"kept": jnp.asarray(ids.reshape(*lead, n_max))}
+    if bias is not None:
+        b = np.asarray(bias, np.float32)
+        out["bias"] = jnp.asarray(b.reshape(*lead, b.shape[-1]))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectionPlan(Plan):
-    """A fixed channel selection per layer (``w["layer"]`` picks it inside jit; in a MoE model
-    per FFN block, ``[layer, w["block"]]``). Layers may keep different numbers of channels: they
-    are padded to the widest, and the padded down columns are zero, so they add nothing.
-    ``n_keep`` is the mean width (the global budget)."""
+    """A fixed channel selection per layer, read from the method's data (`selection_data`):
+    ``w["data"]["kept"]`` [L, n_max] int32 (−1: padding) and, for FLAP, ``w["data"]["bias"]``
+    [L, d]; ``w["layer"]`` picks the layer's row inside jit (in a MoE model the arrays are
+    [L, blocks, ...] and ``w["block"]`` picks the block too). Layers may keep different numbers
+    of channels: they are padded to the widest, and the padded down columns are zero, so they
+    add nothing. ``n_keep`` is the mean width (the global budget), ``n_max`` the widest (the
+    compact copies' static width)."""
 
     name: ClassVar[str] = "selection"
-    kept: tuple[tuple[int, ...], ...] = ()
-    bias: tuple[tuple[float, ...], ...] | None = None
+    n_max: int  # the widest layer's kept channels
     blocks: int = 0  # block slots per layer (MoE), 0: one entry per layer
 
     @property
-    def n_max(self) -> int:
-        return max(len(k) for k in self.kept)
+    def requires_data(self) -> bool:
+        return True
 
     def _tables(self, w):
-        """This layer's (block's) padded ids [n_max] int32, column mask [n_max] and bias [d] (or None)."""
-        row = table_row(w, self.blocks)
-        idx = np.zeros((len(self.kept), self.n_max), np.int32)
-        mask = np.zeros((len(self.kept), self.n_max), np.float32)
-        for l, k in enumerate(self.kept):
-            idx[l, : len(k)], mask[l, : len(k)] = k, 1.0
-        bias = None if self.bias is None else jnp.asarray(np.asarray(self.bias, np.float32))[row]
-        return jnp.asarray(idx)[row], jnp.asarray(mask)[row], bias
+        """This layer's (block's) ids [n_max] int32, column mask [n_max] float32 and bias [d]
+        float32 (or None). Padding ids (−1) gather channel 0, whose column the mask zeroes."""
+        data = w["data"]
+        at = (w["layer"], w["block"]) if self.blocks else (w["layer"],)
+        ids = data["kept"][at]
+        if ids.shape != (self.n_max,):
+            raise ValueError(f"selection data holds {ids.shape} ids per FFN block; this plan keeps up to n_max={self.n_max}: "
+                             "pass data=method.data(model) of the method this plan was bound from")
+        bias = data.get("bias")
+        return jnp.maximum(ids, 0), (ids >= 0).astype(jnp.float32), None if bias is None else bias[at]
 
     def _apply(self, state, x, bias):
         y = down_proj(activations(state["gate_up"], x), state["down"])
@@ -142,6 +169,7 @@ def check_uniform_ffn(cfg: ModelConfig, method: str) -> None:
 class CalibratedPruning(Method):
     """Base of the offline baselines: a global ``ratio`` and, once calibrated, a `ChannelSelection`."""
 
+    calibrates: ClassVar[bool] = True
     ratio: float = 0.2
     _: dataclasses.KW_ONLY
     selection: ChannelSelection | None = None
@@ -192,7 +220,16 @@ class CalibratedPruning(Method):
             )
         if sum(sel.widths) != n_keep * len(sel.kept) or any(max(k, default=-1) >= f for k in sel.kept):
             raise MethodError(f"{self.name}: the selection (widths {list(sel.widths)}) does not fit f={f}, n_keep={n_keep}: calibrate again")
-        return SelectionPlan(f=f, n_keep=n_keep, kept=sel.kept, bias=sel.bias, blocks=blocks)
+        return SelectionPlan(f=f, n_keep=n_keep, n_max=max(sel.widths), blocks=blocks)
+
+    def data(self, model) -> dict | None:
+        """The selection for ``model`` as arrays, checked against it as ``bind`` checks:
+        ``{"kept": [L, n_max] int32, "bias": [L, d] float32}`` (FLAP only; [L, blocks, ...] on a
+        MoE model; see `selection_data`); None when the ratio prunes nothing."""
+        if not isinstance(self.bind(model.config), SelectionPlan):
+            return None
+        sel = self.selection
+        return selection_data(sel.kept, sel.bias, sel.blocks)
 
 
 def wanda_sp_scores(h: jax.Array, valid: jax.Array, down: jax.Array) -> jax.Array:
@@ -232,13 +269,13 @@ class WandaSPInOrder(Statistic):
 @dataclasses.dataclass(frozen=True)
 class WandaSP(CalibratedPruning):
     """Wanda-sp: ``WandaSP(ratio=0.2)``; ``.calibrate(model, corpus)`` fixes the kept channels
-    (see the module docstring). ``ratio`` is SPEC §1's global ratio: every layer keeps n_keep."""
+    (see the module docstring). ``ratio`` is docs/methods.md §1's global ratio: every layer keeps n_keep."""
 
-    name: ClassVar[str] = "wanda_sp"
+    name: ClassVar[str] = "wanda-sp"
 
     def select(self, model, corpus: Corpus, **calibrate_kwargs: Any) -> ChannelSelection:
         if "batch_size" in calibrate_kwargs:
-            raise MethodError("wanda_sp calibrates the whole corpus as one batch (layers pruned in order); batch_size cannot be set")
+            raise MethodError("wanda-sp calibrates the whole corpus as one batch (layers pruned in order); batch_size cannot be set")
         stat = WandaSPInOrder(n_keep=self.n_keep(model.config))
         sums = calibrate(model, stat, corpus, batch_size=len(corpus.windows), **calibrate_kwargs)
         rows = np.asarray(sums["kept"])

@@ -1,0 +1,363 @@
+"""``popjax bench``: decode speed of every method against the memory roofline and transformers.
+
+One process measures, for dense and for static/POP/dynamic at each ratio, at each batch size:
+time to first token (warm prefill), decode tokens/s (medians of repeats, interleaved across all
+configurations), compile time and count, zero-recompile across prompts of one bucket, and the
+process's peak RSS. The machine's memory bandwidth comes from a large GEMV, measured between the
+rounds; the roofline of a method is bandwidth / bytes read per decode step (weights + KV cache)
+× batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import resource
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from .. import engine
+from ..analysis.flops import bytes_per_step, flops_report
+from ..convert.default_model import DEFAULT_MODEL, default_gguf_path
+from ..data import DEV_PLAY, load_play
+from ..generation import generate_ids, pad_batch, pad_token_id
+from ..loaded import LoadedModel
+from ..loading import load
+from ..methods import Method, make_method, method_label, sweep
+from . import suites
+
+log = logging.getLogger(__name__)
+
+SUITES = ("decode", "lengths", "capacity", "stream", "memory")
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    """What `run_bench` measures (one field per ``popjax bench`` flag, with its default).
+    Constructing it validates every field, so bad values fail before a model is loaded.
+
+    methods: names or specs with hyper-parameters ("pop-shortlist:gamma=1.0:shortlist=0.75");
+    those that take a ratio run at each of ``ratios``, dense always runs. suites: any of
+    `SUITES` (decode: methods × batches; lengths: TTFT by prompt length for dense and
+    ``length_methods`` at the first ratio; capacity, stream, memory). transformers: also time
+    transformers' generate on the default model (decode suite, needs torch)."""
+
+    model: Any = DEFAULT_MODEL
+    dtype: str | None = None
+    scan_layers: bool = False
+    methods: Sequence[str] = ("static", "pop", "dynamic")
+    ratios: Sequence[float] = (0.2, 0.4)
+    batches: Sequence[int] = (1, 8)
+    max_new_tokens: int = 64
+    repeats: int = 3
+    transformers: bool = True
+    suites: Sequence[str] = ("decode",)
+    prompt_lengths: Sequence[int] = (128, 512, 2048)
+    length_methods: Sequence[str] = ("pop",)
+    length_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _check_ints("batches", self.batches, 1, example="1,8")
+        _check_ints("prompt_lengths", self.prompt_lengths, 1, engine.PROMPT_BUCKETS[-1], example="128,512,2048")
+        top = engine.CAPACITY_BUCKETS[-1]
+        for name in ("max_new_tokens", "length_new_tokens"):  # the first token comes from prefill
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= top:
+                raise ValueError(f"{name}={value!r} is invalid; decode speed needs an integer in [2, {top}] (the first token comes from prefill)")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r} is invalid; use an integer ≥ 1")
+        ratios = list(self.ratios)
+        bad = [r for r in ratios if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0]
+        if not ratios or bad:
+            raise ValueError(f"ratios={ratios}: {_what(bad)}; give global pruning ratios in [0, 1), e.g. 0.2,0.4")
+        suites = list(self.suites)
+        unknown = [x for x in suites if x not in SUITES]
+        if not suites or unknown:
+            raise ValueError(f"suites={suites}: {_what(unknown, 'is not a suite')}; choose from {', '.join(SUITES)}")
+        for name in ("methods", "length_methods"):
+            specs = list(getattr(self, name))
+            if not all(isinstance(spec, str) and spec.strip() for spec in specs):
+                raise ValueError(f"{name}={specs}: a method name is empty; give names or specs, e.g. static,pop,dynamic")
+        bench_methods(self)  # unknown names and bad hyper-parameters: MethodError naming them
+        length_methods(self)
+
+
+def _what(bad: list, why: str = "is invalid") -> str:
+    return f"{bad[0]!r} {why}" if bad else "none is given"
+
+
+def _check_ints(name: str, values: Sequence[int], low: int, high: int | None = None, *, example: str) -> None:
+    """Every value an integer in [low, high]; ValueError naming the first bad one and the range."""
+    values = list(values)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high)]
+    if not values or bad:
+        valid = f"integers ≥ {low}" if high is None else f"integers in [{low}, {high}]"
+        raise ValueError(f"{name}={values}: {_what(bad)}; give {valid}, e.g. {example}")
+
+
+def bench_methods(settings: BenchSettings) -> list[Method]:
+    """The decode suite's methods, not prepared: dense, each ratio method at each ratio, then the
+    methods without a ratio."""
+    s = settings
+    swept = sweep([spec for spec in s.methods if spec != "dense"], s.ratios)
+    takes_ratio = lambda m: m.ffn_method.takes_ratio() or m.takes_ratio()
+    return ([make_method("dense")] + [m for _, m in swept if takes_ratio(m)]
+            + [m for _, m in swept if not takes_ratio(m)])
+
+
+def length_methods(settings: BenchSettings) -> list[Method]:
+    """The lengths suite's methods besides dense, not prepared (at the first ratio)."""
+    s = settings
+    return [m for _, m in sweep(s.length_methods, s.ratios[:1])]
+
+
+BENCH_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for sleeping better.",
+    "Translate 'good morning, my friend' into Spanish and German.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Write a short poem about autumn leaves falling in the wind.",
+]
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """GB/s of a jitted fp32 GEMV over a matrix of ``megabytes`` (median of repeats)."""
+    n = int((megabytes * 2**20 / 4) ** 0.5)
+    w = jnp.ones((n, n), jnp.float32)
+    x = jnp.ones((n,), jnp.float32)
+    gemv = jax.jit(lambda w, x: w @ x)
+    gemv(w, x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        gemv(w, x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return n * n * 4 / float(np.median(times)) / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class MethodRun:
+    """One (method, batch) configuration: compiled on creation, then timed one repeat at a time
+    so that the repeats of all configurations interleave (drift on a shared machine then hits
+    every configuration alike)."""
+
+    def __init__(self, model: LoadedModel, method: Method, prompts: list[list[int]], max_new_tokens: int):
+        self.method, self.batch, self.max_new_tokens = method, len(prompts), max_new_tokens
+        plan = method.bind(model.config)
+        tokens, mask = (jnp.asarray(a) for a in pad_batch(prompts, pad_token_id(model)))
+        self._run = lambda: generate_ids(model, prompts, max_new_tokens, method=method, ignore_eos=True)[0]
+        data = method.data(model)
+        self._prefill = lambda: engine.prefill(model.graphdef, model.params, tokens, mask, plan, data=data)[0]
+        before = sum(engine.compile_counts().values())
+        self.first_s = _timed(self._run)
+        self.compiles = sum(engine.compile_counts().values()) - before
+        self.ttft, self.total = [], []
+
+    def repeat(self) -> None:
+        self.ttft.append(_timed(self._prefill))
+        self.total.append(_timed(self._run))
+
+    def stats(self) -> dict[str, Any]:
+        ttft, total = float(np.median(self.ttft)), float(np.median(self.total))
+        return {
+            "ttft_s": ttft,
+            "decode_tokens_per_s": self.batch * (self.max_new_tokens - 1) / max(total - ttft, 1e-9),
+            "generate_s": total,
+            "compile_s": max(self.first_s - total, 0.0),
+            "compiles": self.compiles,
+        }
+
+
+def recompiles_across_prompts(model: LoadedModel, method: Method, vocab_ids: list[int], n: int = 20) -> int:
+    """Generates for ``n`` prompts of different lengths within one bucket; returns new compiles."""
+    rng = np.random.default_rng(0)
+    lengths = np.linspace(max(2, len(vocab_ids) // 4), 32, n).astype(int)
+    generate_ids(model, [vocab_ids[:2]], 4, method=method, ignore_eos=True)  # compile the bucket
+    before = sum(engine.compile_counts().values())
+    for length in lengths:
+        ids = rng.choice(vocab_ids, size=int(length)).tolist()
+        generate_ids(model, [ids], int(rng.integers(2, 6)), method=method, ignore_eos=True)
+    return sum(engine.compile_counts().values()) - before
+
+
+def bench_transformers(gguf_path: Path, texts: list[str], batches: list[int], max_new_tokens: int, repeats: int):
+    """transformers' generate (PyTorch CPU, fp32, greedy) on the same prompts, or None without torch."""
+    try:
+        import torch  # optional: PyTorch (popjax[test]), only for this baseline
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: transformers' PyTorch models
+    except ImportError:
+        return None
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.padding_side = "left"
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    out = {"torch_threads": torch.get_num_threads(), "by_batch": {}}
+    for batch in batches:
+        enc = tok(texts[:batch], return_tensors="pt", padding=True)
+
+        def gen(n):
+            with torch.no_grad():
+                hf.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+
+        gen(2)
+        first = float(np.median([_timed(lambda: gen(1)) for _ in range(repeats)]))
+        total = float(np.median([_timed(lambda: gen(max_new_tokens)) for _ in range(repeats)]))
+        out["by_batch"][str(batch)] = {
+            "ttft_s": first,
+            "decode_tokens_per_s": batch * (max_new_tokens - 1) / max(total - first, 1e-9),
+        }
+    out["decode_tokens_per_s"] = out["by_batch"][str(batches[0])]["decode_tokens_per_s"]
+    return out
+
+
+def run_suites(settings: BenchSettings, model: LoadedModel, prompts: list[list[int]]) -> dict[str, Any]:
+    """The engine suites of `popjax.bench.suites` that ``settings.suites`` names."""
+    s = settings
+    out: dict[str, Any] = {}
+    dense = make_method("dense")
+    if "lengths" in s.suites:
+        methods = [dense] + [m.prepare(model) for m in length_methods(s)]
+        out["lengths"] = suites.lengths_suite(
+            model, methods, load_play(DEV_PLAY), s.prompt_lengths, s.batches, s.length_new_tokens, s.repeats,
+            progress=lambda jobs: tqdm(jobs, desc="prompt lengths", unit="run"),
+        )
+    if "capacity" in s.suites:
+        out["capacity"] = suites.capacity_suite(model, dense, prompts[0], 64, [64, 4096], s.repeats)
+    if "stream" in s.suites:
+        out["stream"] = suites.stream_suite(model, dense, prompts[0], 64, s.repeats)
+    if "memory" in s.suites:
+        out["memory"] = suites.memory_suite(model, dense, 8192)
+    return out
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Loads ``settings.model`` and measures what ``settings`` asks -> the JSON-ready result
+    (``records`` of the decode suite, ``suites``, ``transformers``)."""
+    s = settings
+    methods = bench_methods(s)  # before the (slow) load: a bad spec fails at once
+    model = load(s.model, dtype=s.dtype, scan_layers=s.scan_layers)
+    cfg, tok = model.config, model.tokenizer
+    itemsize = jnp.dtype(model.dtype).itemsize
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    label = lambda method: method_label(method, exclude=("ratio", "aggregate"))  # noqa: E731  as popjax frontier labels it
+    methods = [m.prepare(model) for m in methods]  # offline methods calibrate once (cached)
+    bandwidth = [measure_bandwidth()]
+    if "decode" not in s.suites:
+        methods = []
+    runs = [
+        MethodRun(model, method, [prompts[i % len(prompts)] for i in range(batch)], s.max_new_tokens)
+        for method in tqdm(methods, desc="compile", unit="method")
+        for batch in s.batches
+    ]
+    for _ in tqdm(range(s.repeats), desc="bench repeats", unit="round"):
+        for run in runs:  # round-robin over configurations
+            run.repeat()
+        bandwidth.append(measure_bandwidth())
+    records = []
+    for run in runs:
+        plan = run.method.bind(cfg)
+        length = engine.bucket_for(max(map(len, prompts[: run.batch])), engine.PROMPT_BUCKETS, "a prompt length")
+        slots = length + engine.bucket_for(s.max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
+        records.append({
+            "method": run.method.name,
+            "label": label(run.method),
+            "ratio": run.method.reported()["ratio"],
+            "batch": run.batch,
+            **run.stats(),
+            "bytes_per_step": bytes_per_step(cfg, plan, run.batch, slots, itemsize),
+            "peak_rss_mb": _peak_rss_mb(),
+            "ffn_flops_overhead_vs_static": flops_report(cfg, run.method)["overhead_vs_static_of_dense"],
+        })
+    for method in methods:
+        count = recompiles_across_prompts(model, method, prompts[0])
+        for rec in records:
+            if rec["label"] == label(method) and rec["ratio"] == method.reported()["ratio"]:
+                rec["recompiles_across_20_prompts"] = count
+    bw = float(np.median(bandwidth))
+    for rec in records:
+        roofline = rec["batch"] * bw * 1e9 / rec["bytes_per_step"]
+        rec["roofline_tokens_per_s"] = roofline
+        rec["roofline_fraction"] = rec["decode_tokens_per_s"] / roofline
+    result = {
+        "model": str(s.model),
+        "dtype": model.dtype,
+        "scan_layers": s.scan_layers,
+        "max_new_tokens": s.max_new_tokens,
+        "repeats": s.repeats,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "devices": [str(d) for d in jax.devices()]},
+        "bandwidth_gb_s": bw,
+        "bandwidth_samples_gb_s": bandwidth,
+        "records": records,
+        "suites": run_suites(s, model, prompts),
+        "transformers": None,
+    }
+    if "decode" in s.suites and s.transformers and s.model == DEFAULT_MODEL:
+        result["transformers"] = bench_transformers(default_gguf_path(), texts, list(s.batches), s.max_new_tokens, s.repeats)
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A markdown table of the records, with speedups over dense at the same batch."""
+    dense = {r["batch"]: r["decode_tokens_per_s"] for r in result["records"] if r["method"] == "dense"}
+    hf = (result.get("transformers") or {}).get("by_batch", {})
+    lines = [
+        f"memory bandwidth (large GEMV): {result['bandwidth_gb_s']:.1f} GB/s",
+        "",
+        "| method | ratio | batch | decode tok/s | × dense | × transformers | roofline tok/s | roofline % | TTFT ms | compile s | recompiles (20 prompts) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["records"]:
+        hf_tps = hf.get(str(r["batch"]), {}).get("decode_tokens_per_s")
+        lines.append(
+            f"| {r.get('label', r['method'])} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s'] / dense[r['batch']]:.2f} | {r['decode_tokens_per_s'] / hf_tps if hf_tps else float('nan'):.2f} | "
+            f"{r['roofline_tokens_per_s']:.1f} | {100 * r['roofline_fraction']:.0f} | {1000 * r['ttft_s']:.0f} | "
+            f"{r['compile_s']:.1f} | {r.get('recompiles_across_20_prompts', '-')} |"
+        )
+    for batch, row in hf.items():
+        lines.append(f"\ntransformers generate, batch {batch}: {row['decode_tokens_per_s']:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def format_suites(suites: dict[str, Any]) -> str:
+    """Markdown for the engine suites present in ``suites``."""
+    lines = []
+    if "lengths" in suites:
+        lines += ["", "| method | prompt tokens | batch | TTFT ms | TTFT × dense | decode tok/s | decode × dense |", "|---|---|---|---|---|---|---|"]
+        for r in suites["lengths"]:
+            lines.append(
+                f"| {r['label']} | {r['prompt_tokens']} | {r['batch']} | {1000 * r['ttft_s']:.0f} | "
+                f"{r.get('ttft_speedup_vs_dense', float('nan')):.2f} | {r['decode_tokens_per_s']:.1f} | {r.get('decode_vs_dense', float('nan')):.2f} |"
+            )
+    if "capacity" in suites:
+        lines += ["", "| capacity | cache slots | decode tok/s | × smallest |", "|---|---|---|---|"]
+        lines += [f"| {r['capacity']} | {r['cache_slots']} | {r['decode_tokens_per_s']:.1f} | {r['decode_vs_smallest']:.2f} |" for r in suites["capacity"]]
+    if "stream" in suites:
+        r = suites["stream"]
+        lines.append(f"\nstreaming: {r['stream_tokens_per_s']:.1f} tok/s vs loop {r['loop_tokens_per_s']:.1f} ({100 * r['stream_vs_loop']:.0f}%), recompiles {r['stream_recompiles']}")
+    if "memory" in suites:
+        r = suites["memory"]
+        lines.append(
+            f"\nprefill at {r['prompt_tokens']} tokens: XLA temp {r['temp_bytes'] / 2**20:.0f} MiB "
+            f"(a full fp32 score tensor would be {r['full_score_tensor_bytes'] / 2**20:.0f} MiB)"
+        )
+    return "\n".join(lines)

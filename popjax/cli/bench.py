@@ -1,0 +1,48 @@
+"""``popjax bench``: decode speed of the methods against the memory roofline and transformers
+(the measurements: `popjax.bench.runner`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..bench.runner import BenchSettings, format_suites, format_table, run_bench
+from ..files import write_json_atomic
+
+DEFAULTS = BenchSettings()
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
+    p.add_argument("--model", default=DEFAULTS.model)
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan (docs/performance.md)")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(DEFAULTS.methods))
+    p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULTS.ratios))
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULTS.batches))
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    p.add_argument("--repeats", type=int, default=DEFAULTS.repeats)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--suites", type=lambda s: s.split(","), default=list(DEFAULTS.suites),
+                   help="any of decode (methods × batches), lengths (TTFT by prompt length), capacity, stream, memory")
+    p.add_argument("--prompt-lengths", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULTS.prompt_lengths))
+    p.add_argument("--length-methods", type=lambda s: s.split(","), default=list(DEFAULTS.length_methods),
+                   help="methods of the lengths suite besides dense (first --ratios value)")
+    p.add_argument("--length-new-tokens", type=int, default=DEFAULTS.length_new_tokens)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    settings = BenchSettings(  # validates every value before the (slow) load
+        model=args.model, dtype=args.dtype, scan_layers=args.scan_layers, methods=args.methods, ratios=args.ratios,
+        batches=args.batches, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        transformers=not args.no_transformers, suites=args.suites, prompt_lengths=args.prompt_lengths,
+        length_methods=args.length_methods, length_new_tokens=args.length_new_tokens,
+    )
+    result = run_bench(settings)
+    if result["records"]:
+        print(format_table(result))
+    print(format_suites(result["suites"]))
+    if args.json:
+        write_json_atomic(Path(args.json), result)

@@ -1,0 +1,92 @@
+"""What several commands share: the method flags, ``--skip``, the KV-calibration flags, list
+arguments, and the JSON / report outputs that name the command which made them."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..convert.default_model import DEFAULT_MODEL
+from ..files import write_json_atomic
+from ..methods import Method, parse_method_spec
+from ..methods.prefill_only.kv_calibration import DEFAULT_RIDGE
+from ..methods.prefill_only.kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
+
+
+def parse_skip(text: str):
+    """--skip: "10" (last 10 layers), "0.33" (a fraction of the layers) or "3,7,12" (a list)."""
+    try:
+        if "," in text:
+            return [int(x) for x in text.split(",") if x]
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--skip {text!r} is not a layer count, a fraction or a comma-separated layer list") from None
+
+
+def add_method_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default="dense",
+                        help="a method spec: a name (popjax.METHODS) or name:key=value:..., prefill-only+NAME for "
+                             "both (default dense); the flags below are sugar for the spec's keys")
+    parser.add_argument("--ratio", type=float, default=None, help="global pruning ratio in [0, 1)")
+    parser.add_argument("--gamma", type=float, default=None, help="POP candidate band width (default 0.1)")
+    parser.add_argument("--aggregate", default=None, help="shared (default) or per_sequence")
+    parser.add_argument("--skip", type=parse_skip, default=None, help="prefill-only: layers skipped in prefill (default last third)")
+    parser.add_argument("--kv", default=None, help="prefill-only: independent (default), calibrated or none")
+    parser.add_argument("--no-boundary", dest="boundary", action="store_false", default=None,
+                        help="prefill-only: prefill the last prompt token too")
+
+
+def method_from_args(args: argparse.Namespace) -> Method:
+    """The ``--method`` spec with the method flags as its defaults (a key the spec names wins):
+    ``--method pop --ratio 0.2 --gamma 0.1`` is ``pop:ratio=0.2:gamma=0.1``."""
+    flags = dict(ratio=args.ratio, gamma=args.gamma, aggregate=args.aggregate, skip=args.skip, kv=args.kv,
+                 boundary=args.boundary)
+    return parse_method_spec(args.method, **flags)
+
+
+def add_kv_calibration_args(parser: argparse.ArgumentParser, methods: tuple[str, ...]) -> None:
+    """The flags of ``calibrate-kv`` and ``kv-drift``: the model and how the K/V projections are fitted."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    parser.add_argument("--method", default="closed_form", choices=methods, help="calibration method (default closed_form)")
+    parser.add_argument("--ridge", type=float, default=DEFAULT_RIDGE, help="closed-form ridge λ ≥ 0, relative to tr(ZᵀZ)/d")
+    parser.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 16384; optax 4096)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optax: AdamW steps")
+    parser.add_argument("--learning-rate", type=float, default=DEFAULT_LR, help="optax: learning rate")
+    parser.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY, help="optax: decay toward the original W")
+
+
+def kv_calibration_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`calibrate_kv`'s keyword arguments from the flags of `add_kv_calibration_args`."""
+    options = {"ridge": args.ridge, "method": args.method, "tokens": args.tokens}
+    if args.method == "optax":
+        options.update(steps=args.steps, learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+    return options
+
+
+def comma_list(kind):
+    """An argparse ``type``: "a,b,,c" -> [kind(a), kind(b), kind(c)] (empty items dropped)."""
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The popjax command that is running, shell-quoted (recorded in result JSON); ``argv``
+    defaults to the process's arguments."""
+    return "popjax " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+
+def write_outputs(args: argparse.Namespace, records: list, table: str, plot, title: str, intro: str) -> None:
+    """Prints the table; writes the records as JSON (``--json``) and, with ``--out``, the plots
+    and a report.md that names the command which produced them."""
+    print(table)
+    if args.json:
+        write_json_atomic(Path(args.json), {"command": command_line(args.argv), "records": records})
+    if args.out:
+        out = Path(args.out)
+        plots = plot(records, out)
+        lines = [f"# {title}", "", f"{intro} Generated {datetime.date.today()} by", "", f"```bash\n{command_line(args.argv)}\n```", "", table, ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+        (out / "report.md").write_text("\n".join(lines) + "\n")

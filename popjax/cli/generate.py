@@ -1,0 +1,49 @@
+"""``popjax generate``: text from one or more prompts, with an optional pruning method."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..convert.default_model import DEFAULT_MODEL
+from ..generation import generate, stream
+from ..loading import load
+from .common import add_method_args, method_from_args
+
+
+def register(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text with an optional pruning method")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    gen.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_method_args(gen)
+    gen.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    method = method_from_args(args)  # validate before the (slow) load
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        method=method,
+        chat=False if args.no_chat else None,
+    )
+    if len(args.prompts) == 1:  # one prompt: print its tokens as they come
+        for piece in stream(model, args.prompts[0], **options):
+            print(piece.text, end="", flush=True)
+        print()
+        return
+    out = generate(model, args.prompts, **options)
+    for prompt, text in zip(args.prompts, out.texts):
+        print(f"### {prompt}")
+        print(text)

@@ -1,0 +1,116 @@
+"""POP — Partition-guided Online Pruning (arXiv 2602.06822; docs/methods.md §2), and the base of
+the POP presets (§7).
+
+A preset is a method whose hyper-parameters name one candidate scorer and one band rule of a
+`POPPlan` (plan.py). `POPPreset` holds what every preset honours, ``ratio``, ``gamma`` (the band
+width) and ``aggregate``; each preset adds only options it implements:
+
+    POP              ExactScorer, GlobalBand (or the per-shard plan, sharded.py)
+    GateScoredPOP    GateScorer, GlobalBand                         gate_scored.py
+    LowRankPOP       LowRankScorer, GlobalBand                      low_rank.py
+    ShortlistPOP     ShortlistScorer, GlobalBand or UnkeptBand      shortlist.py
+    LayerBandsPOP    ExactScorer, PerLayerBands                     layer_bands.py
+    ShortlistDynamic ShortlistScorer, UnkeptBand with m = n_keep    shortlist_dynamic.py (no γ)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ...models.config import ModelConfig
+from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
+from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
+from .sharded import POPShardedPlan
+
+PARTITIONS = ("global", "per_shard")
+WEIGHT_MODES = ("compact", "gather")  # where decode reads the partition's weight rows from
+
+__all__ = ["POP", "POPPlan", "POPPreset", "POPShardedPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class POPPreset(RatioMethod):
+    """A POP preset: ``ratio`` (docs/methods.md §1), ``gamma`` (the band width, in [0, 1]) and
+    ``aggregate``; it binds to the `POPPlan` of `candidate_scorer` under `band_rule`, with the
+    rule's m for γ. A ratio that keeps every channel binds to the dense plan."""
+
+    plan_class: ClassVar[type] = POPPlan
+    gamma: float = dataclasses.field(default=0.1, kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_gamma(self.gamma)
+
+    def band_rule(self) -> BandRule:
+        return GLOBAL_BAND
+
+    def candidate_scorer(self, f: int, n_keep: int, m: int) -> CandidateScorer:
+        return EXACT
+
+    def plan_sizes(self, f: int, n_keep: int) -> dict:
+        """The `POPPlan` fields beyond f, n_keep and aggregate: m, scorer and band."""
+        band = self.band_rule()
+        m = band.selected(self.gamma, f, n_keep)
+        return {"m": m, "scorer": self.candidate_scorer(f, n_keep, m), "band": band}
+
+
+@dataclasses.dataclass(frozen=True)
+class POP(POPPreset):
+    """Partition-guided Online Pruning: ``POP(ratio=0.2, gamma=0.1, aggregate="shared")``.
+
+    Args:
+      ratio: global fraction of decoder parameters removed, in [0, 1); all of it comes from the
+        FFN (docs/methods.md §1), attention is never pruned.
+      gamma: width of the candidate band as a fraction of f, in [0, 1] (paper default 0.1).
+      aggregate: "shared" (the paper: one partition and one selection per batch) or
+        "per_sequence" (each sequence its own; results independent of batch composition).
+      partition: "global" (one ranking over all f channels; under tensor parallelism only scores
+        travel) or "per_shard" (the channels split into ``shards`` blocks, each ranking its own
+        and keeping n_keep/shards of them; see POPShardedPlan and docs/sharding.md).
+      shards: blocks of "per_shard" (must divide f); default: the size of the model's mesh
+        "model" axis, or 1 (= a global ranking) for an unsharded model.
+      weights: "compact" (default: prefill copies the R ∪ C gate/up rows and down columns into
+        the state, so decode runs dense matmuls on contiguous blocks) or "gather" (the state
+        keeps only channel ids; every decode step gathers those rows from the model's weights).
+        Same outputs; "gather" saves the copy — (3·n_R + 4·m)·d elements per layer, per sequence
+        with aggregate="per_sequence" — for per-step gathers (docs/scale_out.md).
+    """
+
+    name: ClassVar[str] = "pop"
+    partition: str = dataclasses.field(default="global", kw_only=True)
+    shards: int | None = dataclasses.field(default=None, kw_only=True)
+    weights: str = dataclasses.field(default="compact", kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("partition", self.partition, PARTITIONS)
+        if self.shards is not None and (isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1):
+            raise MethodError(f"shards={self.shards!r} is invalid; use a positive integer that divides f")
+        if self.shards is not None and self.partition != "per_shard":
+            raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
+        check_choice("weights", self.weights, WEIGHT_MODES)
+
+    def candidate_scorer(self, f, n_keep, m):
+        return ExactScorer(gather=self.weights == "gather")
+
+    def prepare(self, model) -> "POP":
+        """per_shard without ``shards`` takes the model mesh's "model" axis size."""
+        mesh = getattr(model, "mesh", None)
+        if self.partition == "per_shard" and self.shards is None and mesh is not None:
+            return dataclasses.replace(self, shards=dict(mesh.shape).get("model", 1))
+        return self
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        if self.partition == "global":
+            return super().bind(cfg)
+        f, n_keep, shards = cfg.intermediate_size, kept_channels(cfg, self.ratio), self.shards or 1
+        if f % shards:
+            raise MethodError(f"shards={shards} does not divide the FFN width f={f}")
+        block = f // shards
+        keep = min(block, max(1, round_half_up(n_keep / shards)))
+        if n_keep == f or keep == block:
+            return DensePlan(f=f, n_keep=f)
+        m = GLOBAL_BAND.selected(self.gamma, block, keep)  # POP's m within one block
+        return POPShardedPlan(f=f, n_keep=keep * shards, aggregate=self.aggregate, shards=shards, m=m,
+                              gather=self.weights == "gather")

@@ -1,0 +1,131 @@
+"""Gate-scored POP: POP's prefill partition, candidates scored from the gate projection alone
+(docs/methods.md §7.1; docs/frontier_methods.md §1).
+
+POP (§2) computes gate AND up for every candidate at every decode step only to score them, then
+keeps m of the 2m. Here a step reads the candidates' gate rows only, scores
+
+    s_c(t) = ‖silu(x_t W_g[c]ᵀ)‖₂ · ‖W_d[:, c]‖₂      (‖·‖₂ over the batch's valid rows)
+
+takes ``S_t = top_m(s)`` with ``lax.top_k`` inside the band, and computes the up projection and
+the down projection for the m selected channels only:
+
+    y_t = H_t[R] W_d[:, R]ᵀ + (silu(x_t W_g[S_t]ᵀ) ⊙ x_t W_u[S_t]ᵀ) W_d[:, S_t]ᵀ
+
+Sizes are POP's (``m = min(round(γ·f/2), f − n_keep, n_keep)``, ``n_R = n_keep − m``,
+``n_C = 2m``). Weights read per decode token per layer: 3·d per retained channel, d per candidate
+(its gate row) and 2·d per selected one (its up row and down column): ``3d·n_R + d·n_C + 2d·m``
+against POP's ``3d·n_R + 2d·n_C + d·m``, so the same budget affords twice POP's band
+(``m' = 2m``: γ' = 2γ). With γ covering every channel (n_R = n_P = 0, possible when
+n_keep = f/2 and γ = 1) it is dynamic selection by the gate score.
+
+The prompt's own output is POP's (top n_keep channels by prompt importance). The compact blocks
+are gathered once at prefill (`gate_partition_state`), which the shortlist scorer (shortlist.py)
+shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ...sharding import pad_ids
+from ..base import copy_channels, copy_rows, down_proj, prefill_importance, take_channels
+from .core import POPPreset
+from .plan import CandidateScorer, POPPlan
+
+
+def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
+    """s_c = ‖silu(g[valid, c])‖₂ · ‖W_d[:, c]‖₂: g (gate pre-activations) [B, 1, n], valid
+    [B, 1], down_norm [n] -> [n] fp32."""
+    return prefill_importance(jax.nn.silu(g), valid, down_norm)
+
+
+def gate_partition_state(w, retained, candidates) -> dict:
+    """The partition state of a step that reads C's gate rows whole and C's up and down rows
+    only where selected: one ``step_rows`` block [(2n_R' + n_C)', d] (gate and up rows of R,
+    gate rows of C) for one dense matmul per step and R's down columns [d, n_R'], both split
+    over ``model`` on a mesh (base.copy_rows / copy_channels, R padded with zero channels to a
+    multiple of the split: n_R' ≥ n_R), and C's up rows and down columns as row blocks
+    [n_C, d] from which a step gathers its selection (replicated, as POP's candidate down rows)."""
+    f = w["gate_up"].shape[1]
+    padded = pad_ids(retained)
+    up_padded = jnp.where(padded >= 0, f + padded, -1)  # up row c of gate_up read as [2f, d] is f + c
+    return {
+        "retained_idx": retained,  # [n_R]
+        "candidate_idx": candidates,  # [n_C]
+        # gate R', up R', gate C: [(2 n_R' + n_C)', d]
+        "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, up_padded, candidates])),
+        "up_candidates": take_channels(w["gate_up"][1], candidates, axis=0),  # [n_C, d]
+        "down_retained": copy_channels(w["down"], padded, axis=1),  # [d, n_R']
+        "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
+        "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
+    }
+
+
+def retained_and_gates(state, x, n_candidates: int) -> tuple[jax.Array, jax.Array]:
+    """The step's one dot over ``step_rows``: x [B, 1, d] -> (H of R' [B, 1, n_R'], the gate
+    pre-activations of C [B, 1, n_C]); n_R' = n_R without a mesh (`gate_partition_state`)."""
+    n_r = state["down_retained"].shape[-1]
+    z = jnp.einsum("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, (2 n_R' + n_C)']
+    return jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r], z[..., 2 * n_r : 2 * n_r + n_candidates]
+
+
+@dataclasses.dataclass(frozen=True)
+class GateScorer(CandidateScorer):
+    """Candidates scored by ``‖silu(x_t W_g[c]ᵀ)‖₂ · ‖W_d[:, c]‖₂``; up and down of the m chosen."""
+
+    name: ClassVar[str] = "pop-gate"
+
+    def prefill_state(self, plan, w, x, valid, retained, candidates):
+        return gate_partition_state(w, retained, candidates)
+
+    def decode(self, plan, w, state, x, valid):
+        h_retained, g = retained_and_gates(state, x, plan.n_candidates)  # g: gate pre-activations of C
+        y = down_proj(h_retained, state["down_retained"])
+        if plan.m == 0:
+            return y, {}
+        scores = gate_scores(g, valid, state["down_norm_candidates"])
+        top_scores, selected = jax.lax.top_k(scores, plan.m)  # positions within C
+        up = jnp.einsum("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
+        h_selected = jax.nn.silu(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
+        y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
+        return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+
+    def weights_read(self, plan, d):
+        return 3 * d * plan.n_retained + d * plan.n_candidates + 2 * d * plan.m
+
+    def flops(self, plan, d):
+        """Multiply-adds: gate/up of R, gate of C, up of the m selected, down of n_keep."""
+        return 2 * d * (2 * plan.n_retained + plan.n_candidates + plan.m) + 2 * d * plan.n_keep
+
+
+GATE = GateScorer()
+
+
+def gate_scored_plan(f: int, n_keep: int, m: int = 0, aggregate: str = "shared") -> POPPlan:
+    """The plan `GateScoredPOP` binds to, at these sizes."""
+    return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, scorer=GATE)
+
+
+GateScoredPlan = gate_scored_plan  # the name of the plan class this replaced (popjax.methods exports it)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateScoredPOP(POPPreset):
+    """POP with candidates scored from the gate alone: ``GateScoredPOP(ratio=0.2, gamma=0.2,
+    aggregate="shared" | "per_sequence")``.
+
+    Args:
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
+      gamma: candidate band width as a fraction of f, in [0, 1] (POP's sizes). A candidate costs
+        half of POP's per step, so γ = 2·γ_POP reads the same bytes as POP at γ_POP.
+      aggregate: "shared" (one partition and selection per batch) or "per_sequence".
+    """
+
+    name: ClassVar[str] = "pop-gate"
+
+    def candidate_scorer(self, f, n_keep, m):
+        return GATE

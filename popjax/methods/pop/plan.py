@@ -1,0 +1,266 @@
+"""POP as one plan (docs/methods.md §2, §7): a prompt partition, a candidate scorer, a band rule.
+
+Prefill ranks every FFN channel by the prompt's importance ``I_j = ‖H[S, j]‖₂ · ‖W_d[:, j]‖₂``
+and cuts the ranking into
+
+    R  retained   the top n_R = n_keep − m            used at every decode step
+    C  candidate  the next n_C                        m of them chosen per decode step
+    P  pruned     the rest                            never used again
+
+and the prompt's own output uses its top n_keep channels (base.score_prompt). Two parts of a
+`POPPlan` vary, each a small frozen dataclass (so the plan stays a hashable jit static argument):
+
+* the **band rule** says how wide C is: `GlobalBand` (n_C = 2m, straddling the cut: §2),
+  `UnkeptBand` (n_C = f − n_R, every channel outside R: §7.4 ``band="all"``) or per-layer bands
+  (layer_bands.PerLayerBands, m_l per layer: §7.3);
+* the **candidate scorer** says how a decode step scores C, and so which rows of C it copies at
+  prefill and reads per step: `ExactScorer` (POP's exact score, §2), gate_scored.GateScorer
+  (§7.1), shortlist.ShortlistScorer (§7.4, §7.5) or low_rank.LowRankScorer (§7.2).
+
+A scorer owns the partition state it reads (its compact blocks), its decode step and its byte
+and FLOP counts; a band rule with one partition for every layer hands it R and C. The method
+presets (core.POP, GateScoredPOP, ...) map their hyper-parameters onto one scorer and one rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ...sharding import pad_ids
+from ..base import (
+    AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
+    step_importance, take_channels, take_gate_up,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateScorer:
+    """How a decode step scores the candidates C and picks m of them (part of a `POPPlan`)."""
+
+    name: ClassVar[str] = "pop"  # the registry name of the method this scorer makes of POP
+    requires_data: ClassVar[bool] = False  # reads the method's calibrated data (w["data"])
+
+    @property
+    def compact_weights(self) -> bool:
+        """Whether the state holds copied weight rows (see base.AggregatedPlan)."""
+        return True
+
+    def prefill_state(self, plan: "POPPlan", w, x, valid, retained, candidates) -> dict:
+        """The partition state of R = ``retained`` [n_R] and C = ``candidates`` [n_C] (channel
+        ids by decreasing prompt importance), from the layer's weights ``w`` and the prompt
+        x [B, T, d], valid [B, T]."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def decode(self, plan: "POPPlan", w, state, x, valid) -> tuple[jax.Array, dict]:
+        """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], aux {"selected", "scores": [m]}, or {} when m = 0)."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def weights_read(self, plan: "POPPlan", d: int) -> int:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def flops(self, plan: "POPPlan", d: int) -> int:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactScorer(CandidateScorer):
+    """POP's own step (§2): gate and up of R ∪ C, exact scores ``‖H_t[c]‖₂ · ‖W_d[:, c]‖₂``.
+
+    The gate/up rows of R ∪ C and the down rows of R and of C are gathered once at prefill into
+    the state (on a mesh split over "model", base.copy_channels); a step runs dense matmuls on
+    those blocks and gathers only the m selected down rows. ``gather=True`` (POP's
+    ``weights="gather"``) keeps channel ids only and gathers the rows from the model's weights
+    at every step instead: same outputs, no copy."""
+
+    gather: bool = False
+
+    @property
+    def compact_weights(self) -> bool:
+        return not self.gather
+
+    def prefill_state(self, plan, w, x, valid, retained, candidates):
+        """-> {retained_idx [n_R], candidate_idx [n_C], down_norm_candidates [n_C]} and, unless
+        ``gather``, the compact blocks (`exact_blocks`)."""
+        state = {
+            "retained_idx": retained,
+            "candidate_idx": candidates,
+            "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),
+        }
+        if not self.gather:
+            state.update(exact_blocks(w, retained, candidates))
+        return state
+
+    def decode(self, plan, w, state, x, valid):
+        """With ``gather`` the R ∪ C gate/up rows and R's down columns are gathered from the
+        model's weights here, every step, instead of read from the prefill's copy."""
+        if self.gather:
+            gate_up = take_gate_up(w["gate_up"], jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
+        else:
+            gate_up = state["gate_up"]
+        h = activations(gate_up, x)  # [B, 1, (n_R' + n_C)']
+        down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
+        n_r = down_retained.shape[-1]  # n_R' (padded on a mesh, see exact_blocks)
+        h_retained, h_candidates = h[..., :n_r], h[..., n_r : n_r + plan.n_candidates]
+        y = down_proj(h_retained, down_retained)
+        if plan.m == 0:
+            return y, {}
+        scores = step_importance(h_candidates, valid, state["down_norm_candidates"])  # [n_C]
+        top_scores, selected = jax.lax.top_k(scores, plan.m)  # S_t, positions within C
+        selected_ids = take_channels(state["candidate_idx"], selected, axis=0)
+        if self.gather:  # only the m selected down columns, as rows [m, d]
+            down_selected = take_channels(w["down"], selected_ids, axis=1).T
+        else:
+            down_selected = take_channels(state["down_candidates"], selected, axis=0)
+        y = y + take_channels(h_candidates, selected, axis=-1) @ down_selected
+        return y, {"selected": selected_ids, "scores": top_scores}
+
+    def weights_read(self, plan, d):
+        """Gate/up of R ∪ C, down of the n_keep used: 3d·n_R + 2d·n_C + d·m."""
+        return 2 * d * (plan.n_retained + plan.n_candidates) + d * plan.n_keep
+
+    def flops(self, plan, d):
+        return 4 * d * (plan.n_retained + plan.n_candidates) + 2 * d * plan.n_keep
+
+
+def exact_blocks(w, retained, candidates) -> dict:
+    """The compact weight blocks of a partition: gate/up rows of R ∪ C [2, (n_R' + n_C)', d],
+    down columns of R [d, n_R'] and down rows of C [n_C, d] (rows, so that a step gathers its m
+    selected channels contiguously). On a mesh the first two are split over "model"
+    (`copy_channels`; R and then R ∪ C padded with zero channels to a multiple of the split:
+    n_R' ≥ n_R); C's down rows, which every step gathers from, stay replicated."""
+    retained = pad_ids(retained)
+    return {
+        "gate_up": copy_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
+        "down_retained": copy_channels(w["down"], retained, axis=1),
+        "down_candidates": take_channels(w["down"], candidates, axis=1).T,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class BandRule:
+    """How wide the candidate band is. This base is a band fixed for every layer: prefill cuts
+    the prompt ranking at n_R and n_R + n_C and the scorer does the rest."""
+
+    def n_candidates(self, f: int, n_keep: int, m: int) -> int:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def selected(self, gamma: float, f: int, n_keep: int) -> int:
+        """m, the candidates chosen per step, for a band of width ``gamma``."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def check(self, scorer: CandidateScorer) -> None:
+        """MethodError when this rule cannot run ``scorer`` (a fixed band runs every scorer)."""
+
+    def plan_name(self, scorer: CandidateScorer) -> str:
+        return scorer.name
+
+    def prefill(self, plan: "POPPlan", w, x, valid):
+        """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
+        y, order, importance = score_prompt(w, x, valid, plan.n_keep)
+        n_r, n_c = plan.n_retained, plan.n_candidates
+        state = plan.scorer.prefill_state(plan, w, x, valid, order[:n_r], order[n_r : n_r + n_c])
+        return y, state, {"importance": importance}
+
+    def decode(self, plan: "POPPlan", w, state, x, valid):
+        return plan.scorer.decode(plan, w, state, x, valid)
+
+    def weights_read(self, plan: "POPPlan", d: int) -> int:
+        return plan.scorer.weights_read(plan, d)
+
+    def flops(self, plan: "POPPlan", d: int) -> int:
+        return plan.scorer.flops(plan, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalBand(BandRule):
+    """POP's band (§2): n_C = 2m channels straddling the cut at n_keep, with
+    ``m = min(round(γ·f/2), f − n_keep, n_keep)`` so that C fits on both sides."""
+
+    def n_candidates(self, f, n_keep, m):
+        return 2 * m
+
+    def selected(self, gamma, f, n_keep):
+        return min(round_half_up(gamma * f / 2), f - n_keep, n_keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnkeptBand(BandRule):
+    """Every channel outside R is a candidate (§7.4 ``band="all"``): n_C = f − n_R, no pruned
+    region, and ``m = min(round(γ·n_keep), n_keep)`` (γ = 1 leaves R empty: the selection of
+    §7.5, dynamic over every channel)."""
+
+    def n_candidates(self, f, n_keep, m):
+        return f - (n_keep - m)
+
+    def selected(self, gamma, f, n_keep):
+        return min(n_keep, round_half_up(gamma * n_keep))
+
+
+EXACT, GLOBAL_BAND, UNKEPT_BAND = ExactScorer(), GlobalBand(), UnkeptBand()
+
+
+@dataclasses.dataclass(frozen=True)
+class POPPlan(AggregatedPlan):
+    """POP resolved for one model: sizes f, n_keep, m (static), a candidate scorer and a band rule.
+
+    ``blocks``: block slots per layer of a mixture-of-experts model (models.moe.MoEConfig.slots),
+    the row stride of the per-block tables a part reads (models.moe.table_row); 0 for a dense
+    model or a plan that reads none."""
+
+    m: int = 0  # candidates selected per step (per-layer bands: POP's m, the budget)
+    scorer: CandidateScorer = EXACT
+    band: BandRule = GLOBAL_BAND
+    blocks: int = 0
+
+    def __post_init__(self):
+        self.band.check(self.scorer)
+
+    @property
+    def name(self) -> str:  # what the presets are registered as: "pop", "pop-gate", ...
+        return self.band.plan_name(self.scorer)
+
+    @property
+    def n_retained(self) -> int:
+        return self.n_keep - self.m
+
+    @property
+    def n_candidates(self) -> int:
+        return self.band.n_candidates(self.f, self.n_keep, self.m)
+
+    @property
+    def bands(self) -> tuple[int, ...]:
+        """m_l per layer (a MoE model: per (layer, block slot)) of a per-layer band rule; () when
+        the band is the same for every layer."""
+        return getattr(self.band, "bands", ())
+
+    @property
+    def compact_weights(self) -> bool:  # see AggregatedPlan
+        return self.scorer.compact_weights
+
+    @property
+    def requires_data(self) -> bool:
+        return self.scorer.requires_data
+
+    def _prefill(self, w, x, valid):
+        return self.band.prefill(self, w, x, valid)
+
+    def _decode(self, w, state, x, step, valid):
+        """x [B, 1, d] -> (y [B, 1, d], state (unchanged), the scorer's aux)."""
+        y, aux = self.band.decode(self, w, state, x, valid)
+        return y, state, aux
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return self.band.flops(self, d)
+
+    def ffn_weights_read(self, d: int) -> int:
+        return self.band.weights_read(self, d)
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """MethodError naming ``value`` unless it is one of ``choices``."""
+    if value not in choices:
+        raise MethodError(f"{name}={value!r} is not one of {choices}")

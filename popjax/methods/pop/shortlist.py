@@ -1,0 +1,148 @@
+"""Shortlisted POP: gate scores shortlist the band, exact scores choose within the shortlist
+(docs/methods.md §7.4; docs/frontier_methods.md §4).
+
+Gate-scored POP (gate_scored.py) affords a band twice as wide as POP's for the same bytes, but at
+the same band its gate-only scores choose worse than POP's exact ones. This scorer spends bytes
+between the two: at decode step t, with the partition's R (retained) and C (candidates),
+
+    g_c      = x_t W_g[c]ᵀ                                   gate rows of all of C
+    L_t      = top_s over c ∈ C of ‖silu(g_c)‖₂ · w_c        the shortlist (``lax.top_k``)
+    H_t[c]   = silu(g_c) ⊙ x_t W_u[c]ᵀ                       up rows of the shortlist only
+    S_t      = top_m over c ∈ L_t of ‖H_t[c]‖₂ · ‖W_d[:, c]‖₂    POP's exact score
+    y_t      = H_t[R] W_d[:, R]ᵀ + H_t[S_t] W_d[:, S_t]ᵀ
+
+(‖·‖₂ over the batch's valid rows, as in POP). The shortlist weight ``w_c`` is the **prior**,
+computed once at prefill (no byte per step): ``"none"``: ‖W_d[:, c]‖₂ (gate-scored POP's score);
+``"up"``: ‖U[valid, c]‖₂ · ‖W_d[:, c]‖₂ with U = X W_uᵀ the prompt's up projections (the gate
+says whether a channel opens, the prompt says how large its up projection tends to be);
+``"gated_up"``: ‖H[valid, c]‖₂ · ‖W_d[:, c]‖₂ / ‖silu(G[valid, c])‖₂ (0 for a gate closed on every
+prompt token; an ablation of §7.5).
+
+Weights read per decode token per layer: ``3d·n_R + d·n_C + d·s + d·m``. Under POP's band
+(n_C = 2m) the two ends are the existing methods: s = m is gate-scored POP (every shortlisted
+channel is selected) and s = n_C is POP (exact scores over the whole band). Under the unkept band
+(``band="all"``: n_C = f − n_R) with γ = 1, R is empty and m = n_keep: that is shortlisted dynamic
+selection (§7.5, shortlist_dynamic.py), the same plan.
+
+Ties: ``lax.top_k`` keeps the lower position, within C (prompt order) for the shortlist and within
+the shortlist (in shortlist order) for the final choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..base import MethodError, down_proj, prefill_importance, round_half_up, step_importance, take_channels
+from .core import POPPreset
+from .gate_scored import gate_partition_state, gate_scores, retained_and_gates
+from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
+
+PRIORS = ("none", "up", "gated_up")  # what the scorer computes; each preset offers its own subset
+BANDS = ("pop", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortlistScorer(CandidateScorer):
+    """A shortlist of ``s`` candidates (m ≤ s ≤ n_C) by the gate score weighted by ``prior``,
+    then the top m of it by exact score. State: gate-scored POP's, plus ``shortlist_weight``
+    [n_C] (the prior w_c) unless ``prior="none"``."""
+
+    name: ClassVar[str] = "pop-shortlist"
+    s: int = 0
+    prior: str = "none"
+
+    def __post_init__(self):
+        check_choice("prior", self.prior, PRIORS)
+
+    def prefill_state(self, plan, w, x, valid, retained, candidates):
+        state = gate_partition_state(w, retained, candidates)
+        if self.prior == "up":  # one more prefill matmul: the candidates' up rows
+            up = jnp.einsum("btd,nd->btn", x, state["up_candidates"])
+            state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
+        elif self.prior == "gated_up":
+            gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
+            up = jnp.einsum("btd,nd->btn", x, state["up_candidates"])
+            importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
+            gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
+            state["shortlist_weight"] = jnp.where(gate_norm > 0, importance / jnp.where(gate_norm > 0, gate_norm, 1.0), 0.0)
+        return state
+
+    def decode(self, plan, w, state, x, valid):
+        h_retained, g = retained_and_gates(state, x, plan.n_candidates)  # g: gate pre-activations of C
+        y = down_proj(h_retained, state["down_retained"])
+        if plan.m == 0:
+            return y, {}
+        weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
+        shortlist = jax.lax.top_k(gate_scores(g, valid, weight), self.s)[1]  # [s] within C
+        up = jnp.einsum("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
+        h = jax.nn.silu(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
+        norms = take_channels(state["down_norm_candidates"], shortlist, axis=0)
+        top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), plan.m)  # within the shortlist
+        selected = take_channels(shortlist, pick, axis=0)  # positions within C
+        y = y + take_channels(h, pick, axis=-1) @ take_channels(state["down_candidates"], selected, axis=0)
+        return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+
+    def weights_read(self, plan, d):
+        return 3 * d * plan.n_retained + d * plan.n_candidates + d * self.s + d * plan.m
+
+    def flops(self, plan, d):
+        """Multiply-adds: gate/up of R, gate of C, up of the shortlist, down of n_keep."""
+        return 2 * d * (2 * plan.n_retained + plan.n_candidates + self.s) + 2 * d * plan.n_keep
+
+
+def shortlist_size(sigma: float, m: int, n_c: int) -> int:
+    """s = round(σ·n_C) clipped to [m, n_C]."""
+    return min(n_c, max(m, round_half_up(sigma * n_c)))
+
+
+def shortlist_plan(f: int, n_keep: int, m: int = 0, s: int = 0, aggregate: str = "shared", band_all: bool = False,
+                   prior: str = "none") -> POPPlan:
+    """The plan `ShortlistPOP` binds to, at these sizes (``band_all``: its ``band="all"``)."""
+    band = UNKEPT_BAND if band_all else GLOBAL_BAND
+    return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, scorer=ShortlistScorer(s, prior), band=band)
+
+
+ShortlistPlan = shortlist_plan  # the name of the plan class this replaced (popjax.methods exports it)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortlistPOP(POPPreset):
+    """POP whose band is shortlisted by gate scores before exact scoring:
+    ``ShortlistPOP(ratio=0.4, gamma=1.0, shortlist=0.75, aggregate="shared" | "per_sequence")``.
+
+    Args:
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
+      gamma: candidate band width as a fraction of f, in [0, 1] (POP's sizes: n_C = 2m).
+      shortlist: σ in [0.5, 1], the fraction of the band kept by gate score for exact scoring
+        (s = round(σ·n_C), at least m): 0.5 is gate-scored POP, 1 is POP (with band="pop"; with
+        band="all" σ may go down to 0, s staying at least m).
+      band: "pop" (POP's sizes: n_C = 2m) or "all" (every channel outside R is a candidate, and
+        m = round(γ·n_keep) channels are chosen per step: γ = 1 leaves R empty).
+      prior: "none" (gate score) or "up" (gate score × the prompt's up norm per candidate).
+      aggregate: "shared" (one partition and selection per batch) or "per_sequence".
+    """
+
+    name: ClassVar[str] = "pop-shortlist"
+    priors: ClassVar[tuple[str, ...]] = ("none", "up")
+    shortlist: float = dataclasses.field(default=0.75, kw_only=True)
+    band: str = dataclasses.field(default="pop", kw_only=True)
+    prior: str = dataclasses.field(default="none", kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("band", self.band, BANDS)
+        check_choice("prior", self.prior, self.priors)
+        lowest = 0.5 if self.band == "pop" else 0.0
+        if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, (int, float)) or not lowest <= self.shortlist <= 1:
+            raise MethodError(f"shortlist={self.shortlist!r} is outside [{lowest}, 1] (the fraction of the band scored exactly)")
+
+    def band_rule(self):
+        return UNKEPT_BAND if self.band == "all" else GLOBAL_BAND
+
+    def candidate_scorer(self, f, n_keep, m):
+        n_c = self.band_rule().n_candidates(f, n_keep, m)
+        return ShortlistScorer(s=shortlist_size(self.shortlist, m, n_c), prior=self.prior)

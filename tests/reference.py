@@ -1,0 +1,71 @@
+"""The NumPy side of the method tests: plain, loop-friendly float64 references of the FFN math
+and the random layers and batches they are compared on (docs/methods.md §0: W_g, W_u [d, f],
+W_d [f, d] in math layout; popjax stores gate/up stacked [2, f, d] and down [d, f])."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def ref_hidden(W, x):
+    """x [..., d] -> H = silu(x W_g) ⊙ (x W_u) [..., f], in float64."""
+    return silu(x @ W["gate"]) * (x @ W["up"])
+
+
+def ref_down_norms(W):
+    """‖W_d[:, j]‖₂ per channel j: [f]."""
+    return np.array([math.sqrt(sum(v * v for v in row)) for row in W["down"]])
+
+
+def ref_rank(scores):
+    """Indices by decreasing score, ties to the lower index."""
+    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+
+
+def ref_sizes(f: int, n_keep: int, gamma: float) -> tuple[int, int, int]:
+    """POP's (n_R, n_C, m) as in docs/methods.md §2."""
+    m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)
+    return n_keep - m, 2 * m, m
+
+
+def random_layer(rng, d, f):
+    """Gate/up/down of one FFN in math layout, down rows scaled so channel norms differ."""
+    return {
+        "gate": rng.normal(0, 0.3, (d, f)),
+        "up": rng.normal(0, 0.3, (d, f)),
+        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),  # outputs O(1)
+    }
+
+
+def as_jax(W, layer: int = 0):
+    """Math layout -> the layer dict a plan receives: gate_up [2, f, d], down [d, f], down_norm [f],
+    and the layer index."""
+    down = np.asarray(W["down"], np.float32)
+    return {
+        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
+        "down": jnp.asarray(down.T),
+        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
+        "layer": jnp.int32(layer),
+    }
+
+
+def random_batch(rng, d, lengths, T, scale=None, varied_norms: bool = False):
+    """Left-padded X [B, T, d] and valid [B, T]; ``scale`` (or, with ``varied_norms``, a random
+    per-token scale) multiplies the tokens. Padding is huge, so a statistic that lets it in fails."""
+    X = rng.normal(0, 1.0, (len(lengths), T, d))
+    if scale is not None:
+        X = X * scale
+    elif varied_norms:
+        X = X * rng.uniform(0.3, 2.0, (len(lengths), T, 1))
+    valid = np.zeros((len(lengths), T), bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True  # left padding
+    X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak into statistics
+    return X, valid
