@@ -53,7 +53,7 @@ def group_norm(values, valid):
 
 
 def ref_partition(W, X, valid, n_keep, m):
-    """POP's prefill (SPEC §2): -> (Y, order by prompt importance, R, C)."""
+    """POP's prefill (docs/methods.md §2): -> (Y, order by prompt importance, R, C)."""
     H = silu(X @ W["gate"]) * (X @ W["up"])
     order = rank_desc(group_norm(H, valid) * dnorm(W))
     keep = order[:n_keep]

@@ -14,7 +14,7 @@ from popjax.methods import MethodError, ffn_ratio, kept_channels, make_method, m
 from popjax.models import ModelConfig
 from tests.conftest import random_prompts
 
-# Real HF configs (the fields SPEC §1 needs), with the paper's FFN ratios at 20% (Table 8).
+# Real HF configs (the fields docs/methods.md §1 needs), with the paper's FFN ratios at 20% (Table 8).
 REAL_CONFIGS = {
     "LLaMA-2-7B": (dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32), 29.9),
     "LLaMA-2-13B": (dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=40), 29.9),
@@ -96,7 +96,7 @@ def test_xla_cost_analysis_overhead_within_four_percent():
         overhead = (pop - static) / dense_ffn
         assert 0 < overhead <= 0.04, overhead
         analytic = flops_report(cfg, popjax.POP(ratio=ratio, gamma=0.1))["overhead_vs_static_of_dense"]
-        assert abs(overhead - analytic) < 0.005  # XLA counts what SPEC §2 predicts (+ O(n_C) scoring)
+        assert abs(overhead - analytic) < 0.005  # XLA counts what docs/methods.md §2 predicts (+ O(n_C) scoring)
         assert static < pop < dense
 
 

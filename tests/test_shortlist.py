@@ -25,8 +25,9 @@ def shortlist_size(m, n_c, sigma):
 
 
 def ref_shortlist_step(s):
-    """A step of SPEC-style shortlisted POP: the top s of C by gate score (ties: earlier in C),
-    then the top m of those by POP's exact score (ties: earlier in the shortlist)."""
+    """A step of shortlisted POP as docs/methods.md §7.4 writes it: the top s of C by gate score
+    (ties: earlier in C), then the top m of those by POP's exact score (ties: earlier in the
+    shortlist)."""
 
     def step(W, R, C, x, m):
         G = silu(x @ W["gate"])
@@ -98,9 +99,9 @@ def test_shortlist_method_sizes_and_errors():
 
 
 def ref_shortlist_dynamic(W, X, valid, x_steps, n_keep, s, prior_kind):
-    """SPEC-style shortlisted dynamic selection for one group of rows: the prompt output and
-    prior, then per step the top s of all channels by ‖silu(g)‖·û·‖W_d‖ (ties: lower id) and
-    the top n_keep of those by the exact score (ties: earlier in the shortlist)."""
+    """Shortlisted dynamic selection as docs/methods.md §7.5 writes it, for one group of rows: the
+    prompt output and prior, then per step the top s of all channels by ‖silu(g)‖·û·‖W_d‖ (ties:
+    lower id) and the top n_keep of those by the exact score (ties: earlier in the shortlist)."""
     dn = dnorm(W)
     Y, _, _, _ = ref_partition(W, X, valid, n_keep, 0)
     G, U = silu(X @ W["gate"]), X @ W["up"]

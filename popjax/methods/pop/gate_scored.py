@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from ...sharding import pad_ids
-from ..base import copy_channels, copy_rows, down_proj, prefill_importance, take_channels
+from ..base import copy_rows, down_proj, prefill_importance, take_channels
 from .core import POPPreset
-from .plan import CandidateScorer, POPPlan
+from .plan import CandidateScorer, POPPlan, copy_channels_or_empty
 
 
 def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
@@ -59,7 +59,7 @@ def gate_partition_state(w, retained, candidates) -> dict:
         # gate R', up R', gate C: [(2 n_R' + n_C)', d]
         "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, up_padded, candidates])),
         "up_candidates": take_channels(w["gate_up"][1], candidates, axis=0),  # [n_C, d]
-        "down_retained": copy_channels(w["down"], padded, axis=1),  # [d, n_R']
+        "down_retained": copy_channels_or_empty(w["down"], padded, axis=1),  # [d, n_R']
         "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
         "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
     }

@@ -54,11 +54,11 @@ from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import table_row
 from ..base import (
-    DensePlan, MethodError, Plan, activations, copy_channels, copy_gate_up, down_proj, kept_channels, prefill_importance,
-    round_half_up, score_prompt, take_channels, take_gate_up,
+    DensePlan, MethodError, Plan, activations, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
+    take_channels, take_gate_up,
 )
 from .core import POPPreset
-from .plan import EXACT, GLOBAL_BAND, BandRule, POPPlan
+from .plan import EXACT, GLOBAL_BAND, BandRule, POPPlan, copy_channels_or_empty
 
 DEFAULT_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 
@@ -164,8 +164,8 @@ class PerLayerBands(BandRule):
         state = {
             "kept_idx": kept,  # [n_keep + m_max], by decreasing prompt importance
             # retained in every branch: split over "model" on a mesh (zero channels pad to n_core')
-            "core_gate_up": copy_gate_up(w["gate_up"], core),  # [2, n_core', d]
-            "core_down": copy_channels(w["down"], core, axis=1),  # [d, n_core']
+            "core_gate_up": copy_channels_or_empty(w["gate_up"], core, axis=1),  # [2, n_core', d]
+            "core_down": copy_channels_or_empty(w["down"], core, axis=1),  # [d, n_core']
             # the widest band's zone: retained or candidate by branch, gathered from per step
             "band_gate_up": jnp.swapaxes(take_gate_up(w["gate_up"], band), 0, 1),  # [2 m_max, 2, d]
             "band_down_rows": take_channels(w["down"], band, axis=1).T,  # [2 m_max, d]

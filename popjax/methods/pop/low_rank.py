@@ -49,11 +49,10 @@ from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import slot_array, table_row
 from ..base import (
-    DensePlan, MethodError, Plan, activations, copy_channels, copy_gate_up, down_proj, kept_channels, prefill_importance,
-    take_channels, take_gate_up,
+    DensePlan, MethodError, Plan, activations, down_proj, kept_channels, prefill_importance, take_channels, take_gate_up,
 )
 from .core import POPPreset
-from .plan import CandidateScorer, POPPlan, check_choice
+from .plan import CandidateScorer, POPPlan, check_choice, copy_channels_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +171,8 @@ class LowRankScorer(CandidateScorer):
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
             # split over "model" on a mesh, padded with zero channels to n_R' (base.copy_channels)
-            "gate_up": copy_gate_up(w["gate_up"], retained),  # [2, n_R', d]
-            "down_retained": copy_channels(w["down"], retained, axis=1),  # [d, n_R']
+            "gate_up": copy_channels_or_empty(w["gate_up"], retained, axis=1),  # [2, n_R', d]
+            "down_retained": copy_channels_or_empty(w["down"], retained, axis=1),  # [d, n_R']
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows

@@ -126,6 +126,15 @@ class ExactScorer(CandidateScorer):
         return 4 * d * (plan.n_retained + plan.n_candidates) + 2 * d * plan.n_keep
 
 
+def copy_channels_or_empty(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """base.copy_channels, where a copy of no channel is an empty array: R is empty when
+    m = n_keep (the unkept band at γ = 1: shortlisted dynamic selection), and on a mesh the
+    copy's reduce-scatter does not lower at size 0."""
+    if ids.shape[-1] == 0:
+        return jnp.zeros(w.shape[:axis] + (0,) + w.shape[axis + 1 :], w.dtype)
+    return copy_channels(w, ids, axis)
+
+
 def exact_blocks(w, retained, candidates) -> dict:
     """The compact weight blocks of a partition: gate/up rows of R ∪ C [2, (n_R' + n_C)', d],
     down columns of R [d, n_R'] and down rows of C [n_C, d] (rows, so that a step gathers its m
@@ -135,7 +144,7 @@ def exact_blocks(w, retained, candidates) -> dict:
     retained = pad_ids(retained)
     return {
         "gate_up": copy_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
-        "down_retained": copy_channels(w["down"], retained, axis=1),
+        "down_retained": copy_channels_or_empty(w["down"], retained, axis=1),
         "down_candidates": take_channels(w["down"], candidates, axis=1).T,
     }
 
