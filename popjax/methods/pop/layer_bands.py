@@ -243,6 +243,7 @@ class LayerBandsPOP(POPPreset):
     """
 
     name: ClassVar[str] = "pop-bands"
+    calibrates: ClassVar[bool] = True  # the per-layer drift, once per model (cached)
     levels: tuple[float, ...] = dataclasses.field(default=DEFAULT_LEVELS, kw_only=True)
     allocation: BandAllocation | None = dataclasses.field(default=None, kw_only=True)
 

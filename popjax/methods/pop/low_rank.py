@@ -237,6 +237,7 @@ class LowRankPOP(POPPreset):
     """
 
     name: ClassVar[str] = "pop-lowrank"
+    calibrates: ClassVar[bool] = True  # the SVD factors, once per model (cached)
     rank: int = dataclasses.field(default=64, kw_only=True)
     project: str = dataclasses.field(default="gate_up", kw_only=True)
     factors: LowRankFactors | None = dataclasses.field(default=None, kw_only=True, repr=False)
