@@ -58,7 +58,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_dtype(dtype: str) -> None:
     if dtype not in _NUMPY_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_NUMPY_DTYPES)}")
+        hint = " (the compute dtype; int8 is a weight format: weights='int8', --weights int8)" if "int" in str(dtype) else ""
+        raise ValueError(f"dtype={dtype!r} is not supported{hint}; use one of {sorted(_NUMPY_DTYPES)}")
 
 
 def assemble(

@@ -20,6 +20,13 @@ import numpy as np
 from ..models.config import ModelConfig
 from ..models.layers import fuse_qkv
 from ..models.moe import fuse_layer as fuse_moe_layer
+from ..models.quant import quantize
+
+# The linear layers an int8 model stores as int8 with per-output-channel scales (models/quant.py):
+# attention q/k/v and o, the FFN's gate/up and down (a MoE model's expert blocks too), and the
+# token embedding / LM head (a scale per token row). Norms, biases and the router stay float.
+INT8_LINEARS = ("qkv", "o", "gate_up", "down")
+INT8_EMBEDDINGS = ("embed", "lm_head")
 
 
 def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
@@ -44,4 +51,40 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
             "attn": {**attn, **fused_attn},
             "mlp": fused_mlp,
         }
+    return quantize_linears(out) if cfg.weights == "int8" else out
+
+
+def quantize_linears(tree: dict[str, Any]) -> dict[str, Any]:
+    """A fused tree -> the same tree with every `INT8_LINEARS` weight of its layers as int8
+    ``name`` plus fp32 ``name_scale`` [..., 1] (`models.quant.quantize`, from the float values)."""
+
+    def walk(node: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in node.items():
+            if isinstance(value, dict):
+                out[key] = walk(value)
+            elif key in INT8_LINEARS:
+                out[key], out[f"{key}_scale"] = quantize(value)
+            else:
+                out[key] = value
+        return out
+
+    out = {**tree, "layers": {key: walk(layer) for key, layer in tree["layers"].items()}}
+    for key in INT8_EMBEDDINGS:
+        if key in tree:
+            out[key], out[f"{key}_scale"] = quantize(tree[key])
+    return out
+
+
+def dequantize_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `quantize_linears` up to rounding: every int8 ``name`` with a
+    ``name_scale`` sibling -> the float32 array q · s (scales dropped); other leaves unchanged."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = dequantize_tree(value)
+        elif f"{key}_scale" in tree:
+            out[key] = np.asarray(value, np.float32) * np.asarray(tree[f"{key}_scale"], np.float32)
+        elif not (str(key).endswith("_scale") and str(key)[: -len("_scale")] in tree):
+            out[key] = value
     return out

@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cache import cache_root  # noqa: F401  re-exported until popjax/methods/pop/low_rank.py imports it from popjax.cache
 from ..models.config import ModelConfig
 from .fused import fuse_checkpoint
 

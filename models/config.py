@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .quant import WEIGHT_FORMATS
+
 # HF `architectures` / `model_type` values we accept, and the switches they imply.
 _ARCH_FLAGS = {
     "llama": dict(qkv_bias=False, qk_norm=False),
@@ -70,6 +72,10 @@ class ModelConfig:
     # A mixture-of-experts model (models.moe.MoEConfig); then intermediate_size is the expert
     # width f_e, the channel-block width every FFN of the model is pruned in (docs/moe.md).
     moe: MoEConfig | None = None
+    # How linear-layer weights are stored (models/quant.py): "float" (the compute dtype) or "int8"
+    # (int8 values, an fp32 scale per output channel). Not an HF field: written as
+    # ``popjax_weights`` in popjax's own config.json when not "float".
+    weights: str = "float"
 
     @property
     def q_dim(self) -> int:
@@ -112,6 +118,9 @@ class ModelConfig:
             out["intermediate_sizes"] = list(self.intermediate_sizes)
         if not self.down_proj_bias:
             del out["down_proj_bias"]
+        weights = out.pop("weights")
+        if weights != "float":
+            out["popjax_weights"] = weights
         del out["moe"]  # MoE configs write HF's own fields instead (dense configs are unchanged)
         if self.moe is not None:
             out.update(self.moe.hf_fields(self.model_type, self.num_hidden_layers))
@@ -158,6 +167,7 @@ class ModelConfig:
                 intermediate_sizes=_layer_widths(raw.get("intermediate_sizes"), int(raw["num_hidden_layers"])),
                 down_proj_bias=bool(raw.get("down_proj_bias", False)),
                 moe=moe,
+                weights=_weight_format(raw.get("popjax_weights", "float")),
                 **flags,
             )
         except KeyError as err:
@@ -179,6 +189,12 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not valid JSON: {err}") from None
         return cls.from_hf_dict(raw)
+
+
+def _weight_format(value: Any) -> str:
+    if value not in WEIGHT_FORMATS:
+        raise ConfigError(f"popjax_weights={value!r} is not a weight format popjax reads: {list(WEIGHT_FORMATS)}")
+    return value
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .layers import Attention, KVCache, MLPWeights, RMSNorm
+from .layers import Attention, KVCache, MLPWeights, RMSNorm, TokenEmbeddings
 from .moe import MoEWeights, moe_mlp
+from .quant import dot
 from .rope import check_rope_type, rope_cos_sin
 
 MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
@@ -78,17 +79,15 @@ class DecoderLayer(nnx.Module):
         return y.astype(x.dtype), mlp_state, aux
 
 
-class Transformer(nnx.Module):
+class Transformer(nnx.Module, TokenEmbeddings):
     """Token embedding, L decoder layers, final norm and LM head (tied or untied)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32):
         check_rope_type(cfg)
         self.cfg = cfg
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self._embedding_params(cfg, dtype)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
 
     def finalize(self) -> None:
         """Computes derived per-model constants after the weights are loaded."""
@@ -103,8 +102,7 @@ class Transformer(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """h [B, T, d] -> fp32 logits [B, T, V]."""
         h = self.final_norm(h)
-        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head  # [V, d]
-        return jnp.einsum("btd,vd->btv", h, head[...], preferred_element_type=jnp.float32)
+        return dot("btd,vd->btv", h, self.lm_head_weight(), preferred_element_type=jnp.float32)  # head [V, d]
 
     def __call__(
         self,
@@ -136,7 +134,7 @@ class Transformer(nnx.Module):
         (traced, optional) maps a "kv" layer to the projection it uses instead of its own k/v
         rows: (w [n_kv, 2, h, d], bias [n_kv, 2, h] or None), in qkv's grouped layout.
         """
-        x = self.embed[...][tokens]
+        x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):

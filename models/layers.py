@@ -26,6 +26,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .attention import cached_attention, causal_attention
+from .quant import Int8Weight, dequantized, dot
 from .rope import apply_rope
 
 
@@ -37,9 +38,52 @@ def _param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] with w [out, in] -> [..., out]."""
-    return jnp.einsum("...i,oi->...o", x, w)
+def linear(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
+    """x [..., in] with w [out, in] (float or int8, models/quant.py) -> [..., out]."""
+    return dot("...i,oi->...o", x, w)
+
+
+class LinearWeights:
+    """Linear-layer weights in the model's weight format (``ModelConfig.weights``): a float
+    ``nnx.Param``, or for "int8" an int8 ``name`` with its fp32 ``name_scale`` ([..., 1]: one
+    scale per output channel, models/quant.py). `weight` reads either as what `linear` takes."""
+
+    def _linear_param(self, name: str, shape: tuple[int, ...], dtype: jnp.dtype, weights: str) -> None:
+        self.compute_dtype = jnp.dtype(dtype)
+        if weights == "int8":
+            setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.int8)))
+            setattr(self, f"{name}_scale", nnx.Param(jnp.ones((*shape[:-1], 1), jnp.float32)))
+        else:
+            setattr(self, name, _param(shape, dtype))
+
+    def weight(self, name: str) -> jax.Array | Int8Weight:
+        """The weight ``name``: an array, or an `Int8Weight` in an int8 model."""
+        scale = getattr(self, f"{name}_scale", None)
+        value = getattr(self, name)[...]
+        return value if scale is None else Int8Weight(value, scale[...], self.compute_dtype)
+
+
+class TokenEmbeddings(LinearWeights):
+    """The token embedding ``embed`` [V, d] and the LM head (``embed`` when tied, else
+    ``lm_head`` [V, d]) in the model's weight format: an int8 model stores them as int8 rows
+    with one scale per token row, so an embedding lookup reads int8 rows and the LM head, the
+    largest matrix a small model's decode step reads, reads one byte per weight."""
+
+    def _embedding_params(self, cfg: ModelConfig, dtype: jnp.dtype) -> None:
+        self._linear_param("embed", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights)
+        if not cfg.tie_word_embeddings:
+            self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> x [B, T, d] in the compute dtype."""
+        table = self.weight("embed")
+        if isinstance(table, Int8Weight):
+            rows = table.values[tokens].astype(jnp.float32) * table.scale[tokens]
+            return rows.astype(table.dtype)
+        return table[tokens]
+
+    def lm_head_weight(self) -> jax.Array | Int8Weight:
+        return self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head")
 
 
 class RMSNorm(nnx.Module):
@@ -84,7 +128,7 @@ def group_kv(kv_rows, cfg: ModelConfig):
     return grouped.transpose(1, 0, *range(2, grouped.ndim))
 
 
-class Attention(nnx.Module):
+class Attention(nnx.Module, LinearWeights):
     """Grouped-query attention; q is reshaped to (kv_heads, group) so K/V are never repeated."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
@@ -92,8 +136,8 @@ class Attention(nnx.Module):
         self.cfg = cfg
         n_kv, h = cfg.num_key_value_heads, cfg.head_dim
         parts = cfg.num_attention_heads // n_kv + 2  # a KV group's query heads, its key, its value
-        self.qkv = _param((n_kv, parts, h, d), dtype)
-        self.o = _param((d, cfg.q_dim), dtype)
+        self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights)
+        self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights)
         if cfg.qkv_bias:
             self.qkv_bias = _param((n_kv, parts, h), dtype)
         if cfg.qk_norm:
@@ -102,14 +146,14 @@ class Attention(nnx.Module):
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]."""
-        y = _grouped_linear(x, self.qkv[...], self.qkv_bias[...] if self.cfg.qkv_bias else None)
+        y = _grouped_linear(x, self.weight("qkv"), self.qkv_bias[...] if self.cfg.qkv_bias else None)
         g = y.shape[3] - 2
         return y[:, :, :, :g].reshape(*x.shape[:2], -1, y.shape[-1]), y[:, :, :, g], y[:, :, :, g + 1]
 
     def kv_rows(self) -> tuple[jax.Array, jax.Array | None]:
         """The k rows then the v rows of ``qkv`` [2·kv_dim, d] and of ``qkv_bias`` [2·kv_dim] (None
-        without a bias): the layout KV calibrations are fitted and stored in."""
-        _, k, v = split_qkv(self.qkv[...], self.cfg)
+        without a bias; float, also in an int8 model): the layout KV calibrations are fitted and stored in."""
+        _, k, v = split_qkv(dequantized(self.weight("qkv")), self.cfg)
         if not self.cfg.qkv_bias:
             return jnp.concatenate([k, v]), None
         _, kb, vb = split_qkv(self.qkv_bias[...], self.cfg)
@@ -126,7 +170,7 @@ class Attention(nnx.Module):
         reproduce another layer stream's keys and values)."""
         cfg = self.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
-        w = self.qkv[...][:, g:] if weights is None else weights
+        w = self.weight("qkv")[:, g:] if weights is None else weights
         if cfg.qkv_bias and bias is None:
             bias = self.qkv_bias[...][:, g:]
         kv = _grouped_linear(x, w, bias if cfg.qkv_bias else None)
@@ -162,10 +206,10 @@ class Attention(nnx.Module):
             values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, write_index, axis=1)
             new_cache = KVCache(keys, values)
             out = cached_attention(q, keys, values, key_valid, write_index)
-        return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.o[...]), new_cache
+        return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.weight("o")), new_cache
 
 
-def _grouped_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+def _grouped_linear(x: jax.Array, w: jax.Array | Int8Weight, bias: jax.Array | None) -> jax.Array:
     """x [B, T, d] with w [n_kv, p, h, d] (bias [n_kv, p, h]) -> [B, T, n_kv, p, h].
 
     One dot over w read as its [n_kv·p·h, d] matrix: the merged rows keep n_kv outermost, so on a
@@ -175,27 +219,28 @@ def _grouped_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.A
     return y if bias is None else y + bias
 
 
-class MLPWeights(nnx.Module):
+class MLPWeights(nnx.Module, LinearWeights):
     """Weights of the gated MLP. The computation is the caller's ``mlp_fn``, a pure function of
     ``(weights, state, x)`` (the dense MLP, or whatever the caller runs instead)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
-        self.gate_up = _param((2, f, d), dtype)  # [gate; up] on a leading axis
-        self.down = _param((d, f), dtype)
+        self._linear_param("gate_up", (2, f, d), dtype, cfg.weights)  # [gate; up] on a leading axis
+        self._linear_param("down", (d, f), dtype, cfg.weights)
         if cfg.down_proj_bias:  # a structurally pruned checkpoint's bias (popjax.pruned)
             self.down_bias = _param((d,), dtype)
         # ‖W_d[:, j]‖₂ per channel (channel importance scores read it): a per-model constant, filled in by `finalize`.
         self.down_norm = Derived(jnp.zeros((f,), jnp.float32))
 
     def finalize(self) -> None:
-        down = self.down[...].astype(jnp.float32)
+        down = dequantized(self.weight("down")).astype(jnp.float32)  # an int8 model's norms: of q · s
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=0))
 
     def as_dict(self) -> dict[str, jax.Array]:
-        """gate_up [2, f, d]; down [d, f]; down_norm [f] fp32; down_bias [d] when the model has one."""
-        out = {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
+        """gate_up [2, f, d]; down [d, f] (arrays, or `Int8Weight`s in an int8 model); down_norm
+        [f] fp32; down_bias [d] when the model has one."""
+        out = {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...]}
         if hasattr(self, "down_bias"):
             out["down_bias"] = self.down_bias[...]
         return out

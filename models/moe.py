@@ -29,27 +29,29 @@ import numpy as np
 from flax import nnx
 
 from .config import MoEConfig  # noqa: F401 (re-exported: the MoE config beside its layers)
-from .layers import Derived, linear
+from .layers import Derived, LinearWeights, linear
+from .quant import dequantized
 
 # ---------------------------------------------------------------- weights
 
 
-class ExpertStack(nnx.Module):
-    """n FFN blocks of width f: gate_up [n, 2, f, d], down [n, d, f], down_norm [n, f] (derived),
-    channel_order [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
+class ExpertStack(nnx.Module, LinearWeights):
+    """n FFN blocks of width f: gate_up [n, 2, f, d], down [n, d, f] (float, or int8 with
+    per-output-channel scales: ``weights`` "int8"), down_norm [n, f] (derived), channel_order
+    [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
 
-    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype):
-        self.gate_up = nnx.Param(jnp.zeros((n, 2, f, d), dtype))
-        self.down = nnx.Param(jnp.zeros((n, d, f), dtype))
+    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype, weights: str = "float"):
+        self._linear_param("gate_up", (n, 2, f, d), dtype, weights)
+        self._linear_param("down", (n, d, f), dtype, weights)
         self.down_norm = Derived(jnp.zeros((n, f), jnp.float32))
         self.channel_order = Derived(jnp.zeros((n, f), jnp.int32))
 
     def finalize(self) -> None:
-        down = self.down[...].astype(jnp.float32)
+        down = dequantized(self.weight("down")).astype(jnp.float32)
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=1))
 
     def as_dict(self) -> dict[str, jax.Array]:
-        return {"gate_up": self.gate_up[...], "down": self.down[...], "down_norm": self.down_norm[...]}
+        return {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...]}
 
 
 class MoEWeights(nnx.Module):
@@ -62,10 +64,10 @@ class MoEWeights(nnx.Module):
         self.n_experts = moe.num_experts  # slot offset of the always-active blocks (MoEConfig.slots)
         if moe.is_sparse(layer):
             self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype))
-            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype)
+            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype, cfg.weights)
         n_always = moe.blocks(moe.always_width(layer))
         if n_always:
-            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype)
+            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype, cfg.weights)
             if moe.is_sparse(layer) and moe.shared_gate:
                 self.shared_gate = nnx.Param(jnp.zeros((1, d), dtype))
 

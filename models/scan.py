@@ -40,7 +40,7 @@ from flax import nnx
 from .attention import KV_BLOCK, MASKED, finish_softmax, group_queries, init_softmax_carry, online_softmax_update, attention_scores
 from .config import ModelConfig
 from .decoder import DecoderLayer, MLPFn, Transformer
-from .layers import Attention, KVCache, RMSNorm, linear
+from .layers import Attention, KVCache, RMSNorm, TokenEmbeddings, linear
 from .rope import apply_rope, check_rope_type, rope_cos_sin
 
 UNROLLED = "use the unrolled model (popjax.load(..., scan_layers=False), models.Transformer)"
@@ -68,7 +68,7 @@ def _stack_template(cfg: ModelConfig, dtype: jnp.dtype) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: jnp.zeros((L, *a.shape), a.dtype), state))
 
 
-class ScannedTransformer(nnx.Module):
+class ScannedTransformer(nnx.Module, TokenEmbeddings):
     """Token embedding, L decoder layers stacked in ``layer_stack`` (run by ``lax.scan``), final
     norm and LM head. Same call signature and results as ``Transformer``; caches and method
     states are stacked over layers instead of tuples of L."""
@@ -77,11 +77,9 @@ class ScannedTransformer(nnx.Module):
         check_rope_type(cfg)
         check_scannable(cfg)
         self.cfg = cfg
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self._embedding_params(cfg, dtype)
         self.layer_stack = _stack_template(cfg, dtype)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
 
     logits = Transformer.logits  # h [B, T, d] -> fp32 logits [B, T, V], the very same code
 
@@ -131,7 +129,7 @@ class ScannedTransformer(nnx.Module):
         _check_uniform(gates, schedule, kv_weights)
         if isinstance(mlp_states, (list, tuple)) and all(s is None for s in mlp_states):
             mlp_states = None  # the unrolled model's "no state for any layer"
-        x = self.embed[...][tokens]
+        x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions)
         graphdef, params = nnx.split(self.layer_stack)
         xs = (jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32), params, mlp_states)
@@ -203,7 +201,7 @@ def _stacked_cache_attention(attn: Attention, x, cos, sin, key_valid, cache: KVC
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     out = _layer_cached_attention(q, k, v, cache, layer, key_valid, write_index)
-    return linear(out.reshape(*x.shape[:2], cfg.q_dim), attn.o[...]), KVCache(k, v)
+    return linear(out.reshape(*x.shape[:2], cfg.q_dim), attn.weight("o")), KVCache(k, v)
 
 
 def _write_slots(cache: KVCache, fresh: KVCache, write_index) -> KVCache:
@@ -287,12 +285,12 @@ def scan_layers(model: Transformer) -> ScannedTransformer:
     graphdef = nnx.split(model.layers[0])[0]
     states = [nnx.split(layer)[1] for layer in model.layers]
     stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *states)
-    out = nnx.eval_shape(lambda: ScannedTransformer(model.cfg, model.embed[...].dtype))
-    out.embed = nnx.Param(model.embed[...])
+    out = nnx.eval_shape(lambda: ScannedTransformer(model.cfg, model.compute_dtype))
+    for name in ("embed", "embed_scale", "lm_head", "lm_head_scale"):  # those the weight format has
+        if hasattr(model, name):
+            setattr(out, name, nnx.Param(getattr(model, name)[...]))
     out.layer_stack = nnx.merge(graphdef, stacked)
     out.final_norm = _copy(model.final_norm)
-    if not model.cfg.tie_word_embeddings:
-        out.lm_head = nnx.Param(model.lm_head[...])
     return out
 
 

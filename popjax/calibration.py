@@ -42,8 +42,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
@@ -375,53 +373,6 @@ def calibrate(
         return collect(model, statistic, corpus, batch_size)
     key, name = cache_key(model_fingerprint(model), corpus, statistic, batch_size)
     return cached_arrays("calibration", key, lambda: collect(model, statistic, corpus, batch_size), name=name, root=cache_dir)
-
-
-# ---------------------------------------------------------------- the npz files of popjax before popjax.cache
-# still used by popjax/methods/pop/low_rank.py until it moves to `cached_arrays`
-
-
-def _checksum(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        h.update(f"{name}:{arrays[name].dtype}:{arrays[name].shape}".encode())
-        h.update(np.ascontiguousarray(arrays[name]).tobytes())
-    return h.hexdigest()
-
-
-def _read(path: Path, key: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The arrays of a cache file when it is intact and made for ``key``; None (with a warning)
-    when it is corrupt or mismatched."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            meta = json.loads(str(data["__meta__"]))
-            arrays = {name: np.array(data[name]) for name in data.files if name != "__meta__"}
-    except Exception as err:  # truncated zip, bad JSON, missing member: all mean "corrupt"
-        log.warning("calibration cache %s is unreadable (%s); rebuilding it", path, err)
-        return None
-    if meta.get("key") != key:
-        log.warning("calibration cache %s was made for another model/corpus/statistic; rebuilding it", path)
-        return None
-    if meta.get("checksum") != _checksum(arrays):
-        log.warning("calibration cache %s fails its checksum (corrupt); rebuilding it", path)
-        return None
-    return arrays
-
-
-def _write(path: Path, key: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-    """Atomic: a temp file in the same directory, renamed over ``path`` when complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = json.dumps({"key": key, "checksum": _checksum(arrays)})
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, __meta__=np.array(meta), **arrays)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------- magnitude histograms

@@ -27,9 +27,9 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from .models.decoder import LayerSchedule
+from .models.quant import dot
 from .sharding import split_channels
 
 
@@ -96,10 +96,10 @@ def gate_and_up(gate_up: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]
     reshape would merge the split f axis with the (gate, up) axis, a layout XLA can only reach
     by re-sharding the weights."""
     if split_channels() > 1:
-        gu = jnp.einsum("...d,gnd->g...n", x, gate_up)
+        gu = dot("...d,gnd->g...n", x, gate_up)
         return gu[0], gu[1]
     n = gate_up.shape[1]
-    gu = jnp.einsum("...d,nd->...n", x, gate_up.reshape(2 * n, gate_up.shape[2]))
+    gu = dot("...d,nd->...n", x, gate_up.reshape(2 * n, gate_up.shape[2]))
     return gu[..., :n], gu[..., n:]
 
 
@@ -111,4 +111,4 @@ def activations(gate_up: jax.Array, x: jax.Array) -> jax.Array:
 
 def down_proj(h: jax.Array, down: jax.Array) -> jax.Array:
     """h [..., n] with down [d, n] -> [..., d]."""
-    return jnp.einsum("...n,dn->...d", h, down)
+    return dot("...n,dn->...d", h, down)

@@ -24,6 +24,7 @@ from .convert.store import FORMAT_VERSION, is_converted, read_converted, source_
 from .loaded import LoadedModel, unrolled, with_scanned_layers
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
+from .models.quant import check_weights
 from .models.layers import MLPWeights
 from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
 from . import sharding
@@ -99,36 +100,46 @@ def _tokenizer_saver(kind: str, path: Path):
     return save
 
 
-def _convert(kind: str, path: Path, dtype: str) -> conv.ConvertedCheckpoint:
-    return conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+def _convert(kind: str, path: Path, dtype: str, weights: str = "float") -> conv.ConvertedCheckpoint:
+    """The source in ``dtype``; with ``weights="int8"`` its config says so, and fusing the tree
+    (`fuse_checkpoint`) quantizes the linear layers from those values (GGUF: the dequantized ones)."""
+    converted = conv.convert_gguf(path, dtype) if kind == "gguf" else conv.convert_hf(path, dtype)
+    return dataclasses.replace(converted, config=dataclasses.replace(converted.config, weights=weights))
 
 
-def convert_source(source: str | Path, destination: Path, dtype: str = "float32") -> Path:
-    """Converts ``source`` into a popjax directory at ``destination`` (atomic)."""
+def convert_source(source: str | Path, destination: Path, dtype: str = "float32", weights: str = "float") -> Path:
+    """Converts ``source`` into a popjax directory at ``destination`` (atomic), with float or
+    int8 linear weights (``weights``)."""
     conv.check_dtype(dtype)
+    check_weights(weights)
     kind, path = _resolve_source(source)
     if kind == "converted":
         raise CheckpointError(f"{path} is already a converted popjax checkpoint")
-    converted = _convert(kind, path, dtype)
-    meta = {"source": str(path), "kind": kind, "dtype": dtype}
+    converted = _convert(kind, path, dtype, weights)
+    meta = {"source": str(path), "kind": kind, "dtype": dtype, "weights": weights}
     write_converted(destination, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
     return destination
 
 
-def converted_entry(kind: str, path: Path, dtype: str) -> Path:
-    """The cache entry (kind "converted") of the source at ``path`` in ``dtype``, converted into
-    the cache first if it is not there (`popjax.cache.get_or_make`: atomic, checksummed; a hit
-    never converts). Keyed by the source's resolved path and its files' sizes and mtimes."""
+def converted_entry(kind: str, path: Path, dtype: str, weights: str = "float") -> Path:
+    """The cache entry (kind "converted") of the source at ``path`` in ``dtype`` with
+    ``weights`` ("float" or "int8"), converted into the cache first if it is not there
+    (`popjax.cache.get_or_make`: atomic, checksummed; a hit never converts; a failed conversion
+    leaves no entry). Keyed by the source's resolved path, its files' sizes and mtimes, the
+    dtype and the weight format."""
     path = path.resolve()  # a stable key through links (the tests share the user's conversions)
     key = {"format": FORMAT_VERSION, "dtype": dtype, "source": str(path), "files": source_key(_source_files(kind, path), dtype)}
+    if weights != "float":  # float keys stay as they were (existing cache entries remain valid)
+        key["weights"] = weights
 
     def make(directory: Path) -> None:
         log.warning("converting %s once into the popjax cache (%s)", path, directory.parent)
-        converted = _convert(kind, path, dtype)
-        meta = {"source": str(path), "kind": kind, "dtype": dtype}
+        converted = _convert(kind, path, dtype, weights)
+        meta = {"source": str(path), "kind": kind, "dtype": dtype, "weights": weights}
         write_into(directory, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
 
-    return get_or_make("converted", key, make, name=f"{_readable_name(path)}-{dtype}")
+    suffix = "" if weights == "float" else f"-{weights}"
+    return get_or_make("converted", key, make, name=f"{_readable_name(path)}-{dtype}{suffix}")
 
 
 def _readable_name(path: Path) -> str:
@@ -150,7 +161,7 @@ def default_dtype() -> str:
 
 def load(
     source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bool = True, mesh: Any = None,
-    scan_layers: bool = False,
+    scan_layers: bool = False, weights: str | None = None,
 ) -> LoadedModel:
     """Loads a model for generation.
 
@@ -171,18 +182,31 @@ def load(
         ``lax.scan`` (models/scan.py): one layer's code per program, so compiles are faster for
         deep models; identical results. Needs identical layers (ValueError otherwise); the
         calibration/analysis code that walks ``model.layers[i]`` needs the unrolled default.
+      weights: how the decoder's linear layers (q/k/v, o, gate/up, down; MoE experts too) are
+        stored and read: ``"float"`` (in ``dtype``) or ``"int8"`` (symmetric int8, one fp32 scale
+        per output channel, applied after each dot: ~4x fewer bytes per decode step;
+        models/quant.py). Embeddings, LM head, norms and biases stay in ``dtype``. None: "float"
+        for a source, the converted directory's own format for one.
     """
     dtype = default_dtype() if dtype is None else dtype
     conv.check_dtype(dtype)
+    if weights is not None:
+        check_weights(weights)
     kind, path = _resolve_source(source)
     if kind == "converted":
         directory = path
+        made_with = ModelConfig.from_json(directory / "config.json").weights
+        if weights is not None and weights != made_with:
+            raise CheckpointError(
+                f"{directory} was converted with weights={made_with!r}; load it with weights={made_with!r} "
+                f"(or None), or convert the source again with weights={weights!r}"
+            )
     elif not cache:
-        converted = _convert(kind, path, dtype)
+        converted = _convert(kind, path, dtype, weights or "float")
         tokenizer = _load_tokenizer_direct(kind, path)
         return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
     else:
-        directory = converted_entry(kind, path, dtype)
+        directory = converted_entry(kind, path, dtype, weights or "float")
     sharding_of = None
     if mesh is not None:
         sharding.check_mesh(ModelConfig.from_json(directory / "config.json"), mesh)

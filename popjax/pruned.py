@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from .calibration import Corpus
+from .convert.fused import dequantize_tree
 from .convert.store import write_converted
 from .loading import build_model
 from .loaded import LoadedModel
@@ -57,7 +58,7 @@ def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
     """The model's parameters as a converted-checkpoint tree (numpy, str keys, HF layout with q/k/v
     and gate/up apart, derived constants dropped): the inverse of `convert.fused.fuse_checkpoint`."""
     cfg = model.config
-    pure = _numpy(nnx.to_pure_dict(model.params))
+    pure = dequantize_tree(_numpy(nnx.to_pure_dict(model.params)))  # an int8 model: q · s (re-quantized when fused)
     tree = {k: v for k, v in pure.items() if k != "layers"}
     tree["layers"] = {}
     for key, layer in pure["layers"].items():

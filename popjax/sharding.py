@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .models.config import ModelConfig
 from .models.decoder import abstract_model
 from .models.scan import abstract_scanned_model
+from .models.quant import Int8Weight
 
 MESH_AXES = ("data", "model")
 
@@ -63,10 +64,18 @@ RULES: dict[str, str | None] = {
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"embed", ("vocab", "embed")),
     (r"lm_head", ("vocab", "embed")),
+    (r"(embed|lm_head)_scale", ("vocab", None)),  # an int8 model's per-token-row scales
     (r"final_norm\.weight", ("norm",)),
     (r"layers\.\d+\.(attn_norm|mlp_norm)\.weight", ("norm",)),
     (r"layers\.\d+\.attn\.qkv", ("kv_heads", "qkv_part", "head_dim", "embed")),
     (r"layers\.\d+\.attn\.qkv_bias", ("kv_heads", "qkv_part", "head_dim")),
+    # an int8 model's per-output-channel scales (models/quant.py): the weight's axes, 1 on its input axis
+    (r"layers\.\d+\.attn\.qkv_scale", ("kv_heads", "qkv_part", "head_dim", None)),
+    (r"layers\.\d+\.attn\.o_scale", ("embed", None)),
+    (r"layers\.\d+\.mlp\.gate_up_scale", ("mlp_pair", "mlp", None)),
+    (r"layers\.\d+\.mlp\.down_scale", ("embed", None)),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.gate_up_scale", ("experts", "mlp_pair", "mlp", None)),
+    (r"layers\.\d+\.mlp\.(experts|shared)\.down_scale", ("experts", "embed", None)),
     (r"layers\.\d+\.attn\.o", ("embed", "heads")),
     (r"layers\.\d+\.attn\.(q_norm|k_norm)\.weight", ("head_dim",)),
     (r"layers\.\d+\.mlp\.gate_up", ("mlp_pair", "mlp", "embed")),
@@ -254,6 +263,8 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     sizes = active_mesh_axes()
     if not sizes:
         return x
+    if isinstance(x, Int8Weight):  # values and scales alike (a scale's size-1 input axis stays replicated)
+        return jax.tree_util.tree_map(lambda a: constrain(a, axes), x)
     spec = list(partition_spec(axes, sizes))
     spec = [t if t is None or x.shape[i] % sizes[t] == 0 else None for i, t in enumerate(spec)]
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
@@ -303,6 +314,8 @@ def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
     w [..., F, ...] split in contiguous blocks along ``axis``; ids [k] (k a multiple of n; ids
     ``UNOWNED`` give zero rows) -> [..., k, ...]. Without a mesh (or n = 1): ``jnp.take``."""
     n = split_channels()
+    if isinstance(w, Int8Weight):  # the int8 rows and, where it varies along ``axis``, their scales
+        return w.along(axis, lambda a, ax: take_split(a, ids, ax))
     if n == 1:
         return jnp.take(w, ids, axis=axis, mode="clip")
     if w.shape[axis] % n or ids.shape[-1] % n:
@@ -328,6 +341,8 @@ def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     Without a mesh: a gather from the free [P·F, ...] reshape. On a mesh: `take_split` of every
     part of the ids' channels (P× the rows, at prefill), then each row's part, elementwise."""
     P, F = w.shape[:2]
+    if isinstance(w, Int8Weight):  # a scale per row: gathered like its row
+        return Int8Weight(take_split_rows(w.values, ids), take_split_rows(w.scale, ids), w.dtype)
     if split_channels() == 1:
         return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="clip")
     part = jnp.clip(ids // F, 0, P - 1)

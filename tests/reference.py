@@ -69,3 +69,34 @@ def random_batch(rng, d, lengths, T, scale=None, varied_norms: bool = False):
         valid[b, T - n :] = True  # left padding
     X[~valid] = rng.normal(0, 50.0, (int((~valid).sum()), d))  # padding must not leak into statistics
     return X, valid
+
+
+def ref_quantize(w):
+    """Symmetric int8 per output row of w [out, in] (float64 loops): -> (q int8, scale [out])."""
+    q, scale = np.zeros(w.shape, np.int8), np.zeros(w.shape[0])
+    for o, row in enumerate(np.asarray(w, np.float64)):
+        amax = max(abs(float(v)) for v in row)
+        scale[o] = amax / 127 if amax > 0 else 1.0
+        q[o] = [max(-127, min(127, int(np.rint(v / scale[o])))) for v in row]
+    return q, scale
+
+
+def int8_layer(W):
+    """Math-layout W -> (the layer dict of an int8 model: gate_up / down as `Int8Weight`s,
+    down_norm of the dequantized down; the dequantized W in math layout, float64)."""
+    from popjax.models.quant import Int8Weight
+
+    gate_up = np.concatenate([W["gate"].T, W["up"].T])  # [2f, d]: a scale per output row
+    q_gu, s_gu = ref_quantize(gate_up)
+    q_d, s_d = ref_quantize(W["down"].T)  # [d, f]
+    f = W["gate"].shape[1]
+    deq_gu = q_gu * s_gu[:, None]
+    deq_d = q_d * s_d[:, None]
+    W_deq = {"gate": deq_gu[:f].T, "up": deq_gu[f:].T, "down": deq_d.T}
+    layer = {
+        "gate_up": Int8Weight(jnp.asarray(q_gu.reshape(2, f, -1)), jnp.asarray(s_gu.reshape(2, f, 1), jnp.float32)),
+        "down": Int8Weight(jnp.asarray(q_d), jnp.asarray(s_d[:, None], jnp.float32)),
+        "down_norm": jnp.asarray(np.sqrt((deq_d ** 2).sum(0)), jnp.float32),
+        "layer": jnp.int32(0),
+    }
+    return layer, W_deq

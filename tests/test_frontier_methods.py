@@ -407,6 +407,7 @@ def tiny_model(tiny_checkpoints):
 
 
 def test_methods_run_through_the_engine_and_lowrank_factors_are_cached(tiny_model, tmp_path):
+    from popjax.cache import list_entries
     from popjax.calibration import Corpus
     from popjax.generation import generate_ids
 
@@ -422,6 +423,7 @@ def test_methods_run_through_the_engine_and_lowrank_factors_are_cached(tiny_mode
         assert [len(o) for o in out] == [5, 5]
     assert len(methods[2].allocation.drift) == tiny_model.config.num_hidden_layers
     a = lowrank_factors(tiny_model, 8, cache_dir=tmp_path)
-    b = lowrank_factors(tiny_model, 8, cache_dir=tmp_path)  # from the file
-    assert len(list(tmp_path.rglob("lowrank-svd-v1-r8.npz"))) == 1 and a == b
+    b = lowrank_factors(tiny_model, 8, cache_dir=tmp_path)  # from the cache entry (popjax.cache, kind "calibration")
+    entries = [e for e in list_entries(tmp_path) if e.kind == "calibration"]
+    assert len(entries) == 1 and entries[0].key.startswith("lowrank-svd-r8-") and a == b
     np.testing.assert_array_equal(a.outputs, b.outputs)

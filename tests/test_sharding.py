@@ -432,6 +432,42 @@ def restore_straight_into_shardings(cfg, tree, placed) -> dict:
     return out
 
 
+def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
+    """The int8 model of ``tree`` on one device and on meshes (1, 8), (2, 4): each scale's
+    sharding against its weight's (equal on every axis but the weight's input axis), and the
+    core methods' log-probabilities."""
+    import dataclasses
+
+    from flax import nnx
+
+    from popjax import sharding
+    from popjax.loading import build_model
+
+    cfg8 = dataclasses.replace(cfg, weights="int8")
+    single = build_model(cfg8, tree, None, "tiny-int8", "float32")
+    out = {"methods": {}, "scales_checked": 0, "scales_split_unlike_weights": []}
+    meshes = ((1, 8), (2, 4))
+    sharded = {shape: build_model(cfg8, tree, None, "tiny-int8", "float32", sharding.make_mesh(shape)) for shape in meshes}
+    leaves = dict(sharding.param_paths(nnx.to_pure_dict(sharded[(1, 8)].params)))
+    for path, scale in leaves.items():
+        if path.endswith("_scale"):
+            weight = leaves[path[: -len("_scale")]]
+            w_spec, s_spec = weight.sharding.spec, scale.sharding.spec
+            pad = lambda spec: tuple(spec) + (None,) * (weight.ndim - len(spec))
+            out["scales_checked"] += 1
+            if pad(w_spec)[:-1] != pad(s_spec)[:-1] or pad(s_spec)[-1] is not None:
+                out["scales_split_unlike_weights"].append([path, str(w_spec), str(s_spec)])
+    for name, method in core_methods().items():
+        plan = method.bind(cfg8)
+        want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
+        out["methods"][name] = {}
+        for shape in meshes:
+            got = _teacher(sharded[shape], plan, tokens, mask, targets)[: len(PROMPTS)]
+            out["methods"][name][str(shape)] = {"max_abs_logprob_diff": float(np.abs(got - want).max()),
+                                                "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
+    return out
+
+
 def worker(out_path: str, all_methods: bool = False) -> None:
     """Runs in the 8-device subprocess; writes its findings as JSON for the tests to check.
 
@@ -452,8 +488,8 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     tokens, mask = pad_batch(PROMPTS, 0, min_rows=8)  # 8 rows: the (8, 1) mesh splits the batch 8 ways
     results = {"devices": len(jax.devices()), "methods": {}, "collectives": {}, "generate": {}}
     runs = [(name, m, MESHES) for name, m in core_methods().items()]
-    if all_methods:
-        runs += [(name, m.prepare(single), MESHES) for name, m in other_methods(single).items()]
+    if all_methods:  # the (2, 4) mesh splits the batch and the channels at once: what a mesh can break
+        runs += [(name, m.prepare(single), ((2, 4),)) for name, m in other_methods(single).items()]
     # registry names covered (a composite counts for its FFN method too)
     results["registry_names"] = sorted({n for _, m, _ in runs for n in (m.name, m.ffn_method.name if m.layer_level else m.name)})
     targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
@@ -491,6 +527,7 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     results["state_after_prefill"] = {name: method_state_after_prefill(sharded[(1, 8)], method)
                                       for name, method in split_copies.items()}
     results["restore"] = restore_straight_into_shardings(cfg, tree, sharded[(1, 8)])
+    results["int8"] = int8_on_meshes(cfg, tree, tokens, mask, targets)
     results["cpu_seconds"] = time.process_time() - start
     Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -522,15 +559,26 @@ def eight_devices(tmp_path_factory) -> dict:
 
 
 def test_eight_devices_other_methods(eight_devices):
-    """Every registered method (calibrated ones on random tokens) matches one device on meshes
-    (8, 1), (1, 8) and (2, 4): log-probabilities within 1e-5, the same greedy choices."""
+    """Every registered method (calibrated ones on random tokens) matches one device on the
+    (2, 4) mesh, which splits both the batch and the channels (the core methods of the next test
+    on all three meshes): log-probabilities within 1e-5, the same greedy choices."""
     from popjax.methods import METHODS
 
     assert set(other_methods(None)) <= set(eight_devices["methods"])
     assert set(METHODS) <= set(eight_devices["registry_names"]), sorted(set(METHODS) - set(eight_devices["registry_names"]))
     for name, entry in eight_devices["methods"].items():
-        assert set(entry) == {str(shape) for shape in MESHES}, (name, entry)
+        assert set(entry) == ({str(shape) for shape in MESHES} if name in core_methods() else {"(2, 4)"}), (name, entry)
     check_methods(eight_devices)
+
+
+def test_eight_devices_int8_weights(eight_devices):
+    """An int8 model (models/quant.py) on meshes (1, 8) and (2, 4): every scale is split like
+    the output axes of its weight, and dense, static and POP (shared, per sequence, per shard)
+    give one device's log-probabilities and greedy choices."""
+    int8 = eight_devices["int8"]
+    assert int8["scales_checked"] >= 8 and not int8["scales_split_unlike_weights"], int8
+    assert set(int8["methods"]) == set(core_methods())
+    check_methods({"methods": int8["methods"]})
 
 
 def test_eight_devices_match_one_device(eight_devices):

@@ -76,14 +76,22 @@ def xla_decode_step_flops(
     return float(cost["flops"])
 
 
+def linear_itemsize(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes per linear-layer (and LM-head) weight: 1 in an int8 model (its fp32 scales, one per
+    output channel, add < 1% for d ≥ 512 and are not counted), else the dtype's ``itemsize``."""
+    return 1 if cfg.weights == "int8" else itemsize
+
+
 def ffn_bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, itemsize: int) -> int:
-    """Bytes of FFN weights one decode step reads (all layers), as the plan counts them."""
-    return cfg.num_hidden_layers * plan.ffn_weights_read_per_step(cfg.hidden_size, batch) * itemsize
+    """Bytes of FFN weights one decode step reads (all layers), as the plan counts them (in the
+    model's weight format: int8 compact copies are int8 too)."""
+    return cfg.num_hidden_layers * plan.ffn_weights_read_per_step(cfg.hidden_size, batch) * linear_itemsize(cfg, itemsize)
 
 
 def bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, cache_slots: int, itemsize: int) -> int:
-    """Weights (attention, FFN, LM head) plus the KV cache read by one decode step."""
-    attention = cfg.num_hidden_layers * cfg.attention_params_per_layer() * itemsize
-    head = cfg.vocab_size * cfg.hidden_size * itemsize
+    """Weights (attention, FFN, LM head) plus the KV cache read by one decode step; ``itemsize``
+    is the compute dtype's (KV caches), weights count `linear_itemsize`."""
+    attention = cfg.num_hidden_layers * cfg.attention_params_per_layer() * linear_itemsize(cfg, itemsize)
+    head = cfg.vocab_size * cfg.hidden_size * linear_itemsize(cfg, itemsize)
     kv = 2 * cfg.num_hidden_layers * cache_slots * cfg.kv_dim * itemsize * batch
     return attention + head + ffn_bytes_per_step(cfg, plan, batch, itemsize) + kv

@@ -189,8 +189,10 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     xla["decode_peak"] = xla["decode"]["argument"] + xla["decode"]["output"] - xla["decode"]["alias"] + xla["decode"]["temp"]
     xla["prefill_peak"] = xla["prefill"]["argument"] + xla["prefill"]["output"] - xla["prefill"]["alias"] + xla["prefill"]["temp"]
     n_params = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
+    weight_bytes = sum(math.prod(leaf.shape) * min(jnp.dtype(leaf.dtype).itemsize, itemsize)  # int8 leaves: 1 byte
+                       for leaf in jax.tree_util.tree_leaves(params))
     analytic = {
-        "weights": n_params * itemsize // model_axis,
+        "weights": weight_bytes // model_axis,
         "kv_cache": 2 * cfg.num_hidden_layers * batch * slots * cfg.kv_dim * itemsize // (min(data, batch) * kv_heads_split),
         "bytes_per_decode_step": bytes_per_step(cfg, plan, batch, slots, itemsize),
         "flops_per_decode_step": 2 * n_params * batch,
@@ -198,7 +200,7 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     return {
         "model": cfg.model_type, "layers": cfg.num_hidden_layers, "mesh": {"data": data, "model": model_axis},
         "devices": data * model_axis, "batch": batch, "context": context, "prompt": prompt, "cache_slots": slots,
-        "dtype": dtype, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
+        "dtype": dtype, "weights": cfg.weights, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
         "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": step_cost,
     }
 
@@ -214,7 +216,7 @@ def format_plan(p: dict[str, Any]) -> str:
     x, a = p["xla_per_device"], p["analytic_per_device"]
     g = lambda b: f"{b / GiB:8.3f}"  # noqa: E731
     lines = [
-        f"{p['model']} ({p['layers']} layers), {p['dtype']}, mesh data={p['mesh']['data']} × model={p['mesh']['model']}, "
+        f"{p['model']} ({p['layers']} layers), {p['dtype']}{', int8 weights' if p.get('weights') == 'int8' else ''}, mesh data={p['mesh']['data']} × model={p['mesh']['model']}, "
         f"batch {p['batch']}, context {p['context']} (prompt {p['prompt']}, {p['cache_slots']} cache slots), {p['method']}"
         + (", scanned layers" if p.get("scan_layers") else ""),
         "per device (GiB)           XLA   analytic",

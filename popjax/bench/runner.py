@@ -15,7 +15,6 @@ import logging
 import platform
 import resource
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -31,7 +30,9 @@ from ..generation import generate_ids, pad_batch, pad_token_id
 from ..loaded import LoadedModel
 from ..loading import load
 from ..methods import Method, make_method, method_label, sweep
+from ..models.quant import WEIGHT_FORMATS
 from . import suites
+from .peers import bench_peers
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class BenchSettings:
 
     model: Any = DEFAULT_MODEL
     dtype: str | None = None
+    weights: Sequence[str] = ("float",)  # weight formats (popjax.load), each a model of its own in the one run
     scan_layers: bool = False
     methods: Sequence[str] = ("static", "pop", "dynamic")
     ratios: Sequence[float] = (0.2, 0.4)
@@ -71,6 +73,10 @@ class BenchSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= top:
                 raise ValueError(f"{name}={value!r} is invalid; decode speed needs an integer in [2, {top}] (the first token comes from prefill)")
+        formats = list(self.weights)
+        unknown = [w for w in formats if w not in WEIGHT_FORMATS]
+        if not formats or unknown:
+            raise ValueError(f"weights={formats}: {_what(unknown, 'is not a weight format')}; choose from {', '.join(WEIGHT_FORMATS)}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} is invalid; use an integer ≥ 1")
         ratios = list(self.ratios)
@@ -161,7 +167,7 @@ class MethodRun:
     every configuration alike)."""
 
     def __init__(self, model: LoadedModel, method: Method, prompts: list[list[int]], max_new_tokens: int):
-        self.method, self.batch, self.max_new_tokens = method, len(prompts), max_new_tokens
+        self.model, self.method, self.batch, self.max_new_tokens = model, method, len(prompts), max_new_tokens
         plan = method.bind(model.config)
         tokens, mask = (jnp.asarray(a) for a in pad_batch(prompts, pad_token_id(model)))
         self._run = lambda: generate_ids(model, prompts, max_new_tokens, method=method, ignore_eos=True)[0]
@@ -199,35 +205,6 @@ def recompiles_across_prompts(model: LoadedModel, method: Method, vocab_ids: lis
     return sum(engine.compile_counts().values()) - before
 
 
-def bench_transformers(gguf_path: Path, texts: list[str], batches: list[int], max_new_tokens: int, repeats: int):
-    """transformers' generate (PyTorch CPU, fp32, greedy) on the same prompts, or None without torch."""
-    try:
-        import torch  # optional: PyTorch (popjax[test]), only for this baseline
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: transformers' PyTorch models
-    except ImportError:
-        return None
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.padding_side = "left"
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
-    out = {"torch_threads": torch.get_num_threads(), "by_batch": {}}
-    for batch in batches:
-        enc = tok(texts[:batch], return_tensors="pt", padding=True)
-
-        def gen(n):
-            with torch.no_grad():
-                hf.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
-
-        gen(2)
-        first = float(np.median([_timed(lambda: gen(1)) for _ in range(repeats)]))
-        total = float(np.median([_timed(lambda: gen(max_new_tokens)) for _ in range(repeats)]))
-        out["by_batch"][str(batch)] = {
-            "ttft_s": first,
-            "decode_tokens_per_s": batch * (max_new_tokens - 1) / max(total - first, 1e-9),
-        }
-    out["decode_tokens_per_s"] = out["by_batch"][str(batches[0])]["decode_tokens_per_s"]
-    return out
-
-
 def run_suites(settings: BenchSettings, model: LoadedModel, prompts: list[list[int]]) -> dict[str, Any]:
     """The engine suites of `popjax.bench.suites` that ``settings.suites`` names."""
     s = settings
@@ -253,19 +230,21 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     (``records`` of the decode suite, ``suites``, ``transformers``)."""
     s = settings
     methods = bench_methods(s)  # before the (slow) load: a bad spec fails at once
-    model = load(s.model, dtype=s.dtype, scan_layers=s.scan_layers)
-    cfg, tok = model.config, model.tokenizer
+    models = {w: load(s.model, dtype=s.dtype, scan_layers=s.scan_layers, weights=w) for w in dict.fromkeys(s.weights)}
+    model = next(iter(models.values()))
+    tok = model.tokenizer
     itemsize = jnp.dtype(model.dtype).itemsize
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     label = lambda method: method_label(method, exclude=("ratio", "aggregate"))  # noqa: E731  as popjax frontier labels it
-    methods = [m.prepare(model) for m in methods]  # offline methods calibrate once (cached)
+    prepared = {w: [m.prepare(m_) for m in methods] for w, m_ in models.items()}  # offline methods calibrate once (cached)
     bandwidth = [measure_bandwidth()]
     if "decode" not in s.suites:
-        methods = []
+        prepared = {w: [] for w in models}
     runs = [
-        MethodRun(model, method, [prompts[i % len(prompts)] for i in range(batch)], s.max_new_tokens)
-        for method in tqdm(methods, desc="compile", unit="method")
+        MethodRun(models[w], method, [prompts[i % len(prompts)] for i in range(batch)], s.max_new_tokens)
+        for w, ms in prepared.items()
+        for method in tqdm(ms, desc=f"compile ({w} weights)", unit="method")
         for batch in s.batches
     ]
     for _ in tqdm(range(s.repeats), desc="bench repeats", unit="round"):
@@ -274,6 +253,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         bandwidth.append(measure_bandwidth())
     records = []
     for run in runs:
+        cfg = run.model.config
         plan = run.method.bind(cfg)
         length = engine.bucket_for(max(map(len, prompts[: run.batch])), engine.PROMPT_BUCKETS, "a prompt length")
         slots = length + engine.bucket_for(s.max_new_tokens, engine.CAPACITY_BUCKETS, "max_new_tokens")
@@ -282,16 +262,18 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "label": label(run.method),
             "ratio": run.method.reported()["ratio"],
             "batch": run.batch,
+            "weights": cfg.weights,
             **run.stats(),
             "bytes_per_step": bytes_per_step(cfg, plan, run.batch, slots, itemsize),
             "peak_rss_mb": _peak_rss_mb(),
             "ffn_flops_overhead_vs_static": flops_report(cfg, run.method)["overhead_vs_static_of_dense"],
         })
-    for method in methods:
-        count = recompiles_across_prompts(model, method, prompts[0])
-        for rec in records:
-            if rec["label"] == label(method) and rec["ratio"] == method.reported()["ratio"]:
-                rec["recompiles_across_20_prompts"] = count
+    for w, ms in prepared.items():
+        for method in ms:
+            count = recompiles_across_prompts(models[w], method, prompts[0])
+            for rec in records:
+                if rec["weights"] == w and rec["label"] == label(method) and rec["ratio"] == method.reported()["ratio"]:
+                    rec["recompiles_across_20_prompts"] = count
     bw = float(np.median(bandwidth))
     for rec in records:
         roofline = rec["batch"] * bw * 1e9 / rec["bytes_per_step"]
@@ -300,6 +282,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     result = {
         "model": str(s.model),
         "dtype": model.dtype,
+        "weights": list(models),
         "scan_layers": s.scan_layers,
         "max_new_tokens": s.max_new_tokens,
         "repeats": s.repeats,
@@ -309,32 +292,38 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "records": records,
         "suites": run_suites(s, model, prompts),
         "transformers": None,
+        "peers": {},
     }
     if "decode" in s.suites and s.transformers and s.model == DEFAULT_MODEL:
-        result["transformers"] = bench_transformers(default_gguf_path(), texts, list(s.batches), s.max_new_tokens, s.repeats)
+        result["peers"] = bench_peers(default_gguf_path(), texts, list(s.batches), s.max_new_tokens, s.repeats)
+        result["transformers"] = result["peers"].get("transformers")
     return result
 
 
 def format_table(result: dict[str, Any]) -> str:
     """A markdown table of the records, with speedups over dense at the same batch."""
-    dense = {r["batch"]: r["decode_tokens_per_s"] for r in result["records"] if r["method"] == "dense"}
+    dense = {(r.get("weights", "float"), r["batch"]): r["decode_tokens_per_s"] for r in result["records"] if r["method"] == "dense"}
     hf = (result.get("transformers") or {}).get("by_batch", {})
     lines = [
         f"memory bandwidth (large GEMV): {result['bandwidth_gb_s']:.1f} GB/s",
         "",
-        "| method | ratio | batch | decode tok/s | × dense | × transformers | roofline tok/s | roofline % | TTFT ms | compile s | recompiles (20 prompts) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | weights | ratio | batch | decode tok/s | × dense (same weights) | × dense float | × transformers | roofline tok/s | roofline % | TTFT ms | compile s | recompiles (20 prompts) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["records"]:
         hf_tps = hf.get(str(r["batch"]), {}).get("decode_tokens_per_s")
         lines.append(
-            f"| {r.get('label', r['method'])} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
-            f"{r['decode_tokens_per_s'] / dense[r['batch']]:.2f} | {r['decode_tokens_per_s'] / hf_tps if hf_tps else float('nan'):.2f} | "
+            f"| {r.get('label', r['method'])} | {r.get('weights', 'float')} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s'] / dense[(r.get('weights', 'float'), r['batch'])]:.2f} | "
+            f"{r['decode_tokens_per_s'] / dense.get(('float', r['batch']), float('nan')):.2f} | "
+            f"{r['decode_tokens_per_s'] / hf_tps if hf_tps else float('nan'):.2f} | "
             f"{r['roofline_tokens_per_s']:.1f} | {100 * r['roofline_fraction']:.0f} | {1000 * r['ttft_s']:.0f} | "
             f"{r['compile_s']:.1f} | {r.get('recompiles_across_20_prompts', '-')} |"
         )
-    for batch, row in hf.items():
-        lines.append(f"\ntransformers generate, batch {batch}: {row['decode_tokens_per_s']:.1f} tok/s")
+    peers = result.get("peers") or ({"transformers": result["transformers"]} if result.get("transformers") else {})
+    for peer in peers.values():
+        for batch, row in peer["by_batch"].items():
+            lines.append(f"\n{peer.get('engine', 'transformers')}, batch {batch}: {row['decode_tokens_per_s']:.1f} tok/s")
     return "\n".join(lines)
 
 

@@ -13,11 +13,13 @@ from ..analysis.layer_importance import (
 )
 from ..convert.default_model import DEFAULT_MODEL
 from ..loading import load
+from .common import add_weights_arg
 
 
 def register(sub) -> None:
     p = sub.add_parser("analyze-layers", help="prefill vs decode layer importance (virtual gates, docs/methods.md §9)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    add_weights_arg(p)
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"calibration prompts (default {DEFAULT_SAMPLES})")
     p.add_argument("--response-tokens", type=int, default=DEFAULT_RESPONSE_TOKENS, help="sampled response length at most")
     p.add_argument("--batch-size", type=int, default=4, help="samples per forward-backward")
@@ -31,7 +33,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     check_counts(samples=args.samples, response_tokens=args.response_tokens, batch_size=args.batch_size)
-    model = load(args.model)  # after the checks: loading takes a while
+    model = load(args.model, weights=args.weights)  # after the checks: loading takes a while
     result = analyze_layers(
         model, args.samples, args.response_tokens, args.seed, batch_size=args.batch_size, boundary=args.boundary
     )

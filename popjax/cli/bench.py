@@ -16,6 +16,8 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
     p.add_argument("--model", default=DEFAULTS.model)
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    p.add_argument("--weights", type=lambda s: [w for w in s.split(",") if w], default=list(DEFAULTS.weights),
+                   help="weight formats to measure, each its own model in the one run: float, int8 or float,int8")
     p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan (docs/performance.md)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(DEFAULTS.methods))
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULTS.ratios))
@@ -35,7 +37,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     settings = BenchSettings(  # validates every value before the (slow) load
-        model=args.model, dtype=args.dtype, scan_layers=args.scan_layers, methods=args.methods, ratios=args.ratios,
+        model=args.model, dtype=args.dtype, weights=args.weights, scan_layers=args.scan_layers, methods=args.methods, ratios=args.ratios,
         batches=args.batches, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         transformers=not args.no_transformers, suites=args.suites, prompt_lengths=args.prompt_lengths,
         length_methods=args.length_methods, length_new_tokens=args.length_new_tokens,

@@ -11,12 +11,13 @@ from ..loading import load
 from ..methods.prefill_only.calibrate import calibrate_kv
 from ..methods.prefill_only.kv_calibration import METHODS
 from ..methods.prefill_only.kv_store import save_kv_calibration
-from .common import add_kv_calibration_args, kv_calibration_options, parse_skip
+from .common import add_kv_calibration_args, add_weights_arg, kv_calibration_options, parse_skip
 
 
 def register(sub) -> None:
     p = sub.add_parser("calibrate-kv", help="fit prefill-only KV projections for skipped layers (cached)")
     add_kv_calibration_args(p, METHODS)
+    add_weights_arg(p)
     p.add_argument("--skip", type=parse_skip, default=None, help="skipped layers (default last third)")
     p.add_argument("--save", default=None, help="also save the calibration into this new directory")
     p.add_argument("--json", default=None, help="write what it was fitted for and the fit diagnostics here")
@@ -24,7 +25,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    model = load(args.model)
+    model = load(args.model, weights=args.weights)
     cal = calibrate_kv(model, args.skip, **kv_calibration_options(args))
     print(f"calibrated layers {list(cal.skip)} ({cal.key['method']}, {cal.fit['tokens']} tokens)")
     if "layers" in cal.fit:

@@ -15,6 +15,7 @@ from ..files import write_json_atomic
 from ..methods import Method, parse_method_spec
 from ..methods.prefill_only.kv_calibration import DEFAULT_RIDGE
 from ..methods.prefill_only.kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
+from ..models.quant import WEIGHT_FORMATS
 
 
 def parse_skip(text: str):
@@ -25,6 +26,13 @@ def parse_skip(text: str):
         return float(text) if "." in text else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--skip {text!r} is not a layer count, a fraction or a comma-separated layer list") from None
+
+
+def add_weights_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--weights float|int8``: the linear layers' weight format (`popjax.load`'s ``weights``)."""
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=default,
+                        help="linear-layer weights: float (the dtype) or int8 (per-output-channel scales; "
+                             "default: float, or a converted directory's own format)")
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:

@@ -9,13 +9,14 @@ from ..data import load_play, load_text_file
 from ..eval.harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
 from ..eval.tasks import CodeNLLSettings, FidelitySettings, HumanEvalSettings, NLLSettings
 from ..loading import load
-from .common import comma_list, write_outputs
+from .common import add_weights_arg, comma_list, write_outputs
 
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    add_weights_arg(p)
     p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
     p.add_argument("--methods", type=comma_list(str), default=["dense", "static", "pop", "dynamic"])
     p.add_argument("--ratios", type=comma_list(float), default=[0.2, 0.4])
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
         next_line_play=args.play,
         next_line_documents=args.next_line_documents,
     )
-    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights)
     records = evaluate(model, methods, args.tasks, text, settings)
     source = args.text_file or f"Shakespeare, {args.play}"
     write_outputs(args, records, markdown_table(records), plot_records, "popjax evaluation", f"Model `{args.model}`, NLL text: {source}.")

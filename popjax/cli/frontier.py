@@ -13,13 +13,14 @@ from ..eval.frontier import (
 from ..eval.frontier_plot import plot_frontier
 from ..eval.tasks import NLLSettings
 from ..loading import load
-from .common import comma_list, write_outputs
+from .common import add_weights_arg, comma_list, write_outputs
 
 
 def register(sub) -> None:
     p = sub.add_parser("frontier", help="online NLL and KL against FFN weight bytes per decode token, with the Pareto front")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
+    add_weights_arg(p)
     p.add_argument("--methods", type=comma_list(str), default=None,
                    help=f"method specs (name or name:key=value:...); default: dense, γ in {GAMMAS} for every method with a band, "
                         "every other ratio method")
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
     text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
     settings = FrontierSettings(NLLSettings(args.nll_prompt_tokens, args.nll_decode_tokens, args.nll_windows, args.batch_size),
                                 args.xla, args.max_bytes_fraction)
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, weights=args.weights)
     records = frontier(model, args.methods, args.ratios, text, settings)
     notes = []
     if bench is not None:

@@ -7,7 +7,7 @@ import argparse
 from ..convert.default_model import DEFAULT_MODEL
 from ..generation import generate, stream
 from ..loading import load
-from .common import add_method_args, method_from_args
+from .common import add_method_args, add_weights_arg, method_from_args
 
 
 def register(sub) -> None:
@@ -15,6 +15,7 @@ def register(sub) -> None:
     gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    add_weights_arg(gen)
     gen.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -28,7 +29,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     method = method_from_args(args)  # validate before the (slow) load
-    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -11,12 +11,13 @@ from ..eval.kv_drift import format_drift, kv_drift, plot_drift, prefill_nll
 from ..loading import load
 from ..methods.prefill_only.calibrate import calibrate_kv
 from ..methods.prefill_only.kv_calibration import METHODS
-from .common import add_kv_calibration_args, kv_calibration_options, parse_skip
+from .common import add_kv_calibration_args, add_weights_arg, kv_calibration_options, parse_skip
 
 
 def register(sub) -> None:
     p = sub.add_parser("kv-drift", help="cosine drift of skipped layers' K/V vs the full model, before/after calibration")
     add_kv_calibration_args(p, (*METHODS, "none"))
+    add_weights_arg(p)
     p.add_argument("--skip", type=parse_skip, action="append", default=None, help="a skip set (repeatable; default the last third and 0.5)")
     p.add_argument("--windows", type=int, default=8, help="dev-play windows for the drift (default 8)")
     p.add_argument("--window", type=int, default=256, help="tokens per window; the first half is the prompt")
@@ -27,7 +28,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    model = load(args.model)
+    model = load(args.model, weights=args.weights)
     skips = args.skip or [None, 0.5]  # None: PrefillOnly's default, the last ⌊L/3⌋ layers
     reports, nll = [], {}
     for skip in skips:

@@ -13,7 +13,7 @@ from ..eval.lm_eval_adapter import (
     ADAPTER_ARGS, DEFAULT_BATCH_SIZE, IGNORED_ARGS, build_method, require_lm_eval, task_manager_for,
 )
 from ..files import write_json_atomic
-from .common import add_method_args, command_line
+from .common import add_method_args, add_weights_arg, command_line
 
 
 def _limit(value: str) -> int | float:
@@ -29,6 +29,7 @@ def register(sub) -> None:
                    help="comma-separated lm-eval task names (built-in or from --include-path)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU/TPU, float32 on CPU")
+    add_weights_arg(p)
     before = {action.dest for action in p._actions}
     add_method_args(p)  # the method flags every command shares; their values become model_args
     p.set_defaults(method_flags=[a.dest for a in p._actions if a.dest not in before])
@@ -53,7 +54,7 @@ def model_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
     """The ``model_args`` of ``PopjaxLM``: the flags that were given, then ``--model-args``."""
     from lm_eval.utils import simple_parse_args_string  # optional: lm-evaluation-harness (popjax[eval])
 
-    given = {"source": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "seed": args.seed}
+    given = {"source": args.model, "dtype": args.dtype, "weights": args.weights, "batch_size": args.batch_size, "seed": args.seed}
     given |= {name: getattr(args, name) for name in args.method_flags}  # method, ratio, gamma, ...
     return {k: v for k, v in given.items() if v is not None} | simple_parse_args_string(args.model_args)
 

@@ -19,10 +19,12 @@ import jax
 from ..analysis.memory_plan import DEVICES, GiB, fits, format_plan, memory_plan, parse_mesh, published_configs, resolve_config
 from ..files import write_json_atomic
 from ..methods import MethodError
+from ..models.quant import WEIGHT_FORMATS
 from ..models.scan import check_scannable
 from ..sharding import make_mesh
 from .common import add_method_args, method_from_args
 
+POP_WEIGHTS = ("compact", "gather")  # POP's own ``weights`` option (methods/pop/core.py)
 CHILD = "POPJAX_PLAN_CHILD"  # set in the re-run child: it must not re-run again
 
 
@@ -36,7 +38,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     add_method_args(p)
     p.add_argument("--partition", default=None, help="POP: global (default) or per_shard (compact blocks stay on their shard)")
-    p.add_argument("--weights", default=None, help="POP: compact (default: a copy of the partition's rows in the state) or gather (ids only; per-step gathers)")
+    p.add_argument("--weights", default=None, choices=(*WEIGHT_FORMATS, *POP_WEIGHTS),
+                   help="float or int8: the linear layers' weight format (popjax.load); compact or gather: POP's "
+                        "option (compact, the default: a copy of the partition's rows in the state; gather: ids only)")
     p.add_argument("--scan-layers", action="store_true",
                    help="plan the scanned model (layers stacked, one lax.scan step): deep models compile in minutes")
     p.add_argument("--json", default=None, help="write the plan here")
@@ -46,6 +50,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int | None:
     data, model_axis = parse_mesh(args.mesh)
     cfg = resolve_config(args.model)  # validate before any device work
+    if args.weights in WEIGHT_FORMATS:  # the model's weight format; POP's compact/gather stays a method option
+        cfg, args.weights = dataclasses.replace(cfg, weights=args.weights), None
     if args.scan_layers:
         check_scannable(cfg)
     method = method_from_args(args)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ..models.config import ModelConfig
 from ..ffn import Plan, activations, down_proj, gate_and_up  # noqa: F401 (gate_and_up: re-exported for the methods)
+from ..models.quant import dot, take  # noqa: F401 (dot: re-exported for the methods)
 from ..sharding import pad_ids, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
@@ -97,7 +98,7 @@ def rank_channels(importance: jax.Array) -> jax.Array:
 
 def take_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     """Gathers channels ``idx`` of an array along ``axis`` (columns of down: axis 1)."""
-    return jnp.take(w, idx, axis=axis, mode=TAKE_MODE)
+    return take(w, idx, axis, mode=TAKE_MODE)
 
 
 def take_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:

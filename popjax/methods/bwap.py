@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import (DensePlan, Method, MethodError, Plan, activations, check_global_ratio, copy_channels, copy_gate_up,
+from .base import (DensePlan, Method, MethodError, Plan, activations, dot, check_global_ratio, copy_channels, copy_gate_up,
                    down_proj, kept_channels, take_channels)
 
 BATCH_AGGREGATES = ("max", "mean")
@@ -162,7 +162,7 @@ class BWAPPlan(Plan):
             return down_proj(h, w["down"]), state["sumsq"] + sumsq, state["count"] + count
 
         def pruned(_):
-            y = jnp.einsum("btk,kd->btd", activations(state["gate_up"], x), state["down_rows"])
+            y = dot("btk,kd->btd", activations(state["gate_up"], x), state["down_rows"])
             return y, state["sumsq"], state["count"]
 
         y, sumsq, count = jax.lax.cond(explore, dense, pruned, None)

@@ -46,6 +46,7 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -53,6 +54,7 @@ from flax import nnx
 from ..calibration import CalibrationError, Corpus, Statistic, calibrate
 from .base import MethodError, ffn_ratio
 from .wanda_sp import CalibratedPruning, ChannelSelection
+from ..convert.fused import dequantize_tree
 from ..models.moe import slot_array
 
 
@@ -191,4 +193,5 @@ def _block_selection(model, stats: dict[str, np.ndarray], n_keep: int, floor: in
 
 def _layers(model) -> dict[int, Any]:
     """The layers' parameter dicts of a LoadedModel, by index."""
-    return {int(i): layer for i, layer in nnx.to_pure_dict(model.params)["layers"].items()}
+    pure = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))  # an int8 model's q · s
+    return {int(i): layer for i, layer in pure["layers"].items()}

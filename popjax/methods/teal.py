@@ -48,7 +48,7 @@ import numpy as np
 from ..loaded import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
 from ..models.config import ModelConfig
-from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, kept_channels
+from .base import DensePlan, Method, MethodError, Plan, activations, dot, down_proj, kept_channels
 from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
 
 THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
@@ -80,7 +80,7 @@ class AbsHistograms(Statistic):
     version: ClassVar[int] = 1
 
     def collect(self, w, x, valid, h):
-        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][0]))
+        gate = jax.nn.silu(dot("btd,nd->btn", x, w["gate_up"][0]))
         return {"x": log_histogram(x, valid), "h": log_histogram(h, valid), "gate": log_histogram(gate, valid)}
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ...sharding import pad_ids
-from ..base import copy_rows, down_proj, prefill_importance, take_channels
+from ..base import copy_rows, dot, down_proj, prefill_importance, take_channels
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, copy_channels_or_empty
 
@@ -69,7 +69,7 @@ def retained_and_gates(state, x, n_candidates: int) -> tuple[jax.Array, jax.Arra
     """The step's one dot over ``step_rows``: x [B, 1, d] -> (H of R' [B, 1, n_R'], the gate
     pre-activations of C [B, 1, n_C]); n_R' = n_R without a mesh (`gate_partition_state`)."""
     n_r = state["down_retained"].shape[-1]
-    z = jnp.einsum("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, (2 n_R' + n_C)']
+    z = dot("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, (2 n_R' + n_C)']
     return jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r], z[..., 2 * n_r : 2 * n_r + n_candidates]
 
 
@@ -89,7 +89,7 @@ class GateScorer(CandidateScorer):
             return y, {}
         scores = gate_scores(g, valid, state["down_norm_candidates"])
         top_scores, selected = jax.lax.top_k(scores, plan.m)  # positions within C
-        up = jnp.einsum("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
+        up = dot("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
         h_selected = jax.nn.silu(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
         y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
         return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}

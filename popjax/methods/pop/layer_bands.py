@@ -54,7 +54,7 @@ from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import table_row
 from ..base import (
-    DensePlan, MethodError, Plan, activations, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
+    DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
     take_channels, take_gate_up,
 )
 from .core import POPPreset
@@ -167,7 +167,7 @@ class PerLayerBands(BandRule):
             "core_gate_up": copy_channels_or_empty(w["gate_up"], core, axis=1),  # [2, n_core', d]
             "core_down": copy_channels_or_empty(w["down"], core, axis=1),  # [d, n_core']
             # the widest band's zone: retained or candidate by branch, gathered from per step
-            "band_gate_up": jnp.swapaxes(take_gate_up(w["gate_up"], band), 0, 1),  # [2 m_max, 2, d]
+            "band_gate_up": take_gate_up(w["gate_up"], band).swapaxes(0, 1),  # [2 m_max, 2, d]
             "band_down_rows": take_channels(w["down"], band, axis=1).T,  # [2 m_max, d]
             "band_down_norm": take_channels(w["down_norm"], band, axis=0),  # [2 m_max]
         }
@@ -184,7 +184,7 @@ class PerLayerBands(BandRule):
             selected = jnp.full((self.m_max,), -1, jnp.int32)
             if rows == 0:
                 return y, {"band": jnp.int32(m_l), "selected": selected}
-            gu = jnp.einsum("bsd,nkd->bsnk", x, state["band_gate_up"][:rows])  # static prefix only
+            gu = dot("bsd,nkd->bsnk", x, state["band_gate_up"][:rows])  # static prefix only
             h = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
             y = h[..., :n_r] @ state["band_down_rows"][:n_r]
             if m_l:

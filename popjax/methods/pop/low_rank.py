@@ -44,12 +44,12 @@ import numpy as np
 from flax import nnx
 
 from ... import calibration
-from ...cache import cache_root
+from ...convert.fused import dequantize_tree
 from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import slot_array, table_row
 from ..base import (
-    DensePlan, MethodError, Plan, activations, down_proj, kept_channels, prefill_importance, take_channels, take_gate_up,
+    DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, take_channels, take_gate_up,
 )
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, check_choice, copy_channels_or_empty
@@ -110,30 +110,29 @@ def factors_from_weights(gate_ups: Sequence[np.ndarray], rank: int, key: str = "
 
 
 def lowrank_factors(model, rank: int, cache: bool = True, cache_dir: str | Path | None = None) -> LowRankFactors:
-    """`factors_from_weights` for a loaded model, computed once per (weights, rank) and cached
-    atomically under ``cache_root()/calibration/<model key>/`` (checked on load like every
-    calibration file; a corrupt or mismatched file is recomputed)."""
+    """`factors_from_weights` for a loaded model (an int8 model's dequantized weights), computed
+    once per (weights, rank) and kept in popjax's cache (kind "calibration", entry
+    ``lowrank-svd-r<rank>``: made atomically, checksummed; ``cache_dir`` another cache root)."""
     cfg = model.config
     if cfg.intermediate_sizes is not None:
         raise MethodError(f"low-rank scoring needs one FFN width for all layers, got {list(cfg.intermediate_sizes)}")
     check_rank(rank, cfg.hidden_size, cfg.intermediate_size)
     model_key = calibration.model_fingerprint(model)
     blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-    path = (Path(cache_dir) if cache_dir else cache_root() / "calibration") / model_key[:24] / f"lowrank-svd-v{SVD_VERSION}-r{rank}.npz"
-    key = {"format": calibration.CACHE_FORMAT, "model": model_key, "statistic": {"name": "lowrank_svd", "version": SVD_VERSION, "rank": rank}}
-    # the calibration cache's own reader/writer: same atomic write, key and checksum checks
-    arrays = calibration._read(path, key) if cache and path.is_file() else None
-    if arrays is None:
+
+    def compute() -> dict[str, np.ndarray]:
+        pure = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
+        layers = {int(i): layer for i, layer in pure["layers"].items()}
         if blocks:  # one weight block per (layer, slot); slots without a block are zeros
-            pure = {int(i): layer for i, layer in nnx.to_pure_dict(model.params)["layers"].items()}
-            gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, pure[l]["mlp"], "gate_up")]
+            gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]
         else:
-            gate_ups = [np.asarray(layer.mlp.gate_up[...]) for layer in nnx.merge(model.graphdef, model.params).layers]
-        factors = dataclasses.replace(factors_from_weights(gate_ups, rank, model_key), blocks=blocks)
-        if cache:
-            calibration._write(path, key, {"inputs": factors.inputs, "outputs": factors.outputs})
-            log.info("rank-%d SVD factors written to %s", rank, path)
-        return factors
+            gate_ups = [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
+        factors = factors_from_weights(gate_ups, rank, model_key)
+        return {"inputs": factors.inputs, "outputs": factors.outputs}
+
+    key = {"format": calibration.CACHE_FORMAT, "model": model_key, "statistic": {"name": "lowrank_svd", "version": SVD_VERSION, "rank": rank}}
+    arrays = (calibration.cached_arrays("calibration", key, compute, name=f"lowrank-svd-r{rank}", root=cache_dir)
+              if cache else compute())
     arrays["inputs"].flags.writeable = arrays["outputs"].flags.writeable = False
     return LowRankFactors(model_key, rank, arrays["inputs"], arrays["outputs"], blocks)
 
@@ -176,7 +175,7 @@ class LowRankScorer(CandidateScorer):
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows
-            "gate_up_candidates": jnp.swapaxes(take_gate_up(w["gate_up"], candidates), 0, 1),  # [n_C, 2, d]
+            "gate_up_candidates": take_gate_up(w["gate_up"], candidates).swapaxes(0, 1),  # [n_C, 2, d]
             "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }
@@ -197,7 +196,7 @@ class LowRankScorer(CandidateScorer):
             return y, {}
         top_scores, selected = jax.lax.top_k(self.estimated_scores(state, x, valid), plan.m)
         rows = take_channels(state["gate_up_candidates"], selected, axis=0)  # [m, 2, d]
-        gu = jnp.einsum("bsd,mkd->bsmk", x, rows)
+        gu = dot("bsd,mkd->bsmk", x, rows)
         h_selected = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, m], exact
         y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
         return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}

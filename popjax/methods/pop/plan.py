@@ -30,6 +30,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ...models.quant import empty_along
 from ...sharding import pad_ids
 from ..base import (
     AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
@@ -131,7 +132,7 @@ def copy_channels_or_empty(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array
     m = n_keep (the unkept band at γ = 1: shortlisted dynamic selection), and on a mesh the
     copy's reduce-scatter does not lower at size 0."""
     if ids.shape[-1] == 0:
-        return jnp.zeros(w.shape[:axis] + (0,) + w.shape[axis + 1 :], w.dtype)
+        return empty_along(w, axis)
     return copy_channels(w, ids, axis)
 
 

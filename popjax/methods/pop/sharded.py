@@ -15,8 +15,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ...models.quant import take_along_axis
 from ...sharding import constrain
-from ..base import IN_BOUNDS, TAKE_MODE, AggregatedPlan, activations, down_proj, prefill_importance
+from ..base import IN_BOUNDS, TAKE_MODE, AggregatedPlan, activations, dot, down_proj, prefill_importance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +86,12 @@ class POPShardedPlan(AggregatedPlan):
         """Gate/up rows of channels ``live`` [S, n] (ids within each shard's block) -> [2, S, n, d];
         each shard gathers from its own block only (take_along_axis on the [S, f/S] view)."""
         gate_up = w["gate_up"].reshape(2, self.shards, self.block, -1)  # gate/up × block × channel
-        return jnp.take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
+        return take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
 
     def _down_rows(self, w, live):
         """Down columns of channels ``live`` [S, n], as rows [S, n, d] (a step gathers contiguously)."""
-        down = jnp.take_along_axis(w["down"].reshape(-1, self.shards, self.block), live[None], axis=2, mode=TAKE_MODE)
-        return jnp.transpose(down, (1, 2, 0))
+        down = take_along_axis(w["down"].reshape(-1, self.shards, self.block), live[None], axis=2, mode=TAKE_MODE)
+        return down.transpose(1, 2, 0)
 
     def _blocks(self, w, live):
         """The compact blocks of channels ``live`` [S, n_R + n_C]: gate_up [2, S, n, d],
@@ -108,10 +109,10 @@ class POPShardedPlan(AggregatedPlan):
             gate_up, down_retained = self._gate_up_rows(w, local(live)), self._down_rows(w, local(state["retained_idx"]))
         else:
             gate_up, down_retained = state["gate_up"], state["down_retained"]
-        gu = jnp.einsum("btd,gskd->btgsk", x, gate_up)
+        gu = dot("btd,gskd->btgsk", x, gate_up)
         h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [B, 1, S, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
-        y = jnp.einsum("btsk,skd->btd", h_retained, down_retained)
+        y = dot("btsk,skd->btd", h_retained, down_retained)
         if self.m == 0:
             return y, state, {}
         hf = jnp.where(valid[..., None, None], h_candidates.astype(jnp.float32), 0.0)
@@ -122,8 +123,8 @@ class POPShardedPlan(AggregatedPlan):
         if self.gather:
             down_selected = self._down_rows(w, local(selected_ids))
         else:
-            down_selected = jnp.take_along_axis(state["down_candidates"], selected[:, :, None], axis=1, mode=TAKE_MODE)
-        y = y + jnp.einsum("btsm,smd->btd", h_selected, down_selected)
+            down_selected = take_along_axis(state["down_candidates"], selected[:, :, None], axis=1, mode=TAKE_MODE)
+        y = y + dot("btsm,smd->btd", h_selected, down_selected)
         return y, state, {"selected": selected_ids, "scores": top_scores}
 
     def ffn_flops_per_token(self, d: int) -> int:

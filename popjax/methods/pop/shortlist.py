@@ -36,7 +36,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..base import MethodError, down_proj, prefill_importance, round_half_up, step_importance, take_channels
+from ..base import MethodError, dot, down_proj, prefill_importance, round_half_up, step_importance, take_channels
 from .core import POPPreset
 from .gate_scored import gate_partition_state, gate_scores, retained_and_gates
 from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
@@ -61,11 +61,11 @@ class ShortlistScorer(CandidateScorer):
     def prefill_state(self, plan, w, x, valid, retained, candidates):
         state = gate_partition_state(w, retained, candidates)
         if self.prior == "up":  # one more prefill matmul: the candidates' up rows
-            up = jnp.einsum("btd,nd->btn", x, state["up_candidates"])
+            up = dot("btd,nd->btn", x, state["up_candidates"])
             state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
         elif self.prior == "gated_up":
-            gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
-            up = jnp.einsum("btd,nd->btn", x, state["up_candidates"])
+            gate = jax.nn.silu(dot("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
+            up = dot("btd,nd->btn", x, state["up_candidates"])
             importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
             gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
             state["shortlist_weight"] = jnp.where(gate_norm > 0, importance / jnp.where(gate_norm > 0, gate_norm, 1.0), 0.0)
@@ -78,7 +78,7 @@ class ShortlistScorer(CandidateScorer):
             return y, {}
         weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
         shortlist = jax.lax.top_k(gate_scores(g, valid, weight), self.s)[1]  # [s] within C
-        up = jnp.einsum("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
+        up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
         h = jax.nn.silu(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
         norms = take_channels(state["down_norm_candidates"], shortlist, axis=0)
         top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), plan.m)  # within the shortlist

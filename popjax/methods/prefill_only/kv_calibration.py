@@ -146,7 +146,7 @@ def layer_streams(model, tokens: jax.Array, valid: jax.Array, skip: tuple[int, .
     # ``routed`` [B, T]: a MoE expert's tokens (models/moe.py), narrowing ``valid`` as the engine does
     mlp = lambda w, _state, h, routed=None: plan.prefill(w, h, valid if routed is None else valid & routed)
     run = lambda i, x: model.layers[i](x, cos, sin, valid, None, 0, mlp, None, None, i)[0]
-    x_full = model.embed[...][tokens]
+    x_full = model.embed_tokens(tokens)
     x_skip = x_full
     inputs_skip, inputs_full = [], []
     for i in range(max(skip) + 1):

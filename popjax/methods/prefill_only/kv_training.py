@@ -33,6 +33,7 @@ from ...calibration import Corpus
 from .kv_calibration import KVCalibrationError, window_batches, layer_streams, original_kv
 from ...models.attention import MASKED
 from ...models.layers import group_kv
+from ...models.quant import dequantized
 from ...models.rope import apply_rope
 
 DEFAULT_TOKENS = 4096
@@ -75,7 +76,7 @@ def later_query_output(attn, q: jax.Array, k: jax.Array, v: jax.Array, key_valid
     scores = jnp.where(allowed[None, None, None] & key_valid[:, None, None, None, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v.astype(jnp.float32)).reshape(B, Q, n_q * h)
-    return jnp.einsum("bqi,oi->bqo", out, attn.o[...].astype(jnp.float32))
+    return jnp.einsum("bqi,oi->bqo", out, dequantized(attn.weight("o")).astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "skip", "prefix"))

@@ -1,0 +1,217 @@
+"""Weight-only int8 (models/quant.py; `popjax.load(..., weights="int8")`): the quantized linear
+layer against NumPy, POP on int8 weights against the NumPy POP reference on the dequantized
+weights, an int8 model against the float model of its dequantized weights (every registered
+method, a MoE model, scanned layers), the converted store, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import popjax
+from popjax import engine
+from popjax.convert import convert as conv
+from popjax.convert.fused import dequantize_tree
+from popjax.convert.readers import CheckpointError
+from popjax.generation import pad_batch
+from popjax.loaded import with_scanned_layers
+from popjax.loading import build_model, place_model
+from popjax.methods import METHODS, POPPlan, make_method
+from popjax.models.quant import Int8Weight, dot, quantize
+from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
+from tests.test_methods_reference import ref_pop_decode, ref_prefill
+
+ATOL = 1e-5
+
+
+def test_quantize_and_dot_match_numpy():
+    """quantize = the loop reference exactly; the int8 dot (scale after the dot) = x · (q·s)ᵀ in
+    float64 within fp32 rounding, for the layouts the model uses (rows, stacked gate/up, rows
+    gathered then transposed); an all-zero row stays zero."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.2, (12, 16)) * rng.uniform(0.1, 3, (12, 1))
+    w[3] = 0
+    q, scale = quantize(w.astype(np.float32))
+    q_ref, s_ref = ref_quantize(w.astype(np.float32))
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_allclose(scale[:, 0], s_ref, rtol=1e-7)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and not q[3].any()
+    W = Int8Weight(jnp.asarray(q), jnp.asarray(scale))
+    deq = q.astype(np.float64) * s_ref[:, None]
+    np.testing.assert_allclose(np.asarray(W.dequantize()), deq, rtol=1e-6, atol=1e-7)
+    x = rng.normal(size=(3, 5, 16))
+    np.testing.assert_allclose(np.asarray(dot("...i,oi->...o", jnp.asarray(x, jnp.float32), W)), x @ deq.T, rtol=1e-5, atol=ATOL)
+    stacked = W.reshape(2, 6, 16)  # gate/up [2, f, d]: the scale follows its rows
+    got = dot("...d,gnd->g...n", jnp.asarray(x, jnp.float32), stacked)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("...d,gnd->g...n", x, deq.reshape(2, 6, 16)), rtol=1e-5, atol=ATOL)
+    ids = jnp.asarray([7, 0, 3])
+    rows = W.take(ids, axis=0).T  # [d, k]: a compact copy, transposed: the scale moves to the last axis
+    assert rows.scale.shape == (1, 3)
+    np.testing.assert_allclose(np.asarray(rows.dequantize()), deq[[7, 0, 3]].T, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("f, n_keep, gamma", [(96, 67, 0.1), (96, 48, 0.3), (32, 20, 1.0)])
+def test_pop_on_int8_weights_matches_reference_on_dequantized(f, n_keep, gamma):
+    """POP's plan on int8 gate/up/down (compact copies int8 with their scales) selects exactly
+    what the NumPy reference selects on the dequantized weights, outputs within 1e-5."""
+    rng = np.random.default_rng(f + n_keep)
+    d = 16
+    layer, W = int8_layer(random_layer(rng, d, f))
+    X, valid = random_batch(rng, d, [5, 8, 3], T=8)
+    _, _, m = ref_sizes(f, n_keep, gamma)
+    plan = POPPlan(f=f, n_keep=n_keep, m=m, aggregate="shared")
+    y, state, _ = plan.prefill(layer, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    Y_ref, R, C, _ = ref_prefill(W, X, valid, n_keep, m)
+    assert np.asarray(state["retained_idx"]).tolist() == R
+    assert np.asarray(state["candidate_idx"]).tolist() == C
+    assert isinstance(state["gate_up"], Int8Weight) and state["gate_up"].values.dtype == jnp.int8
+    np.testing.assert_allclose(np.asarray(y)[valid], Y_ref[valid], atol=ATOL)
+    for step in range(3):
+        x_t = rng.normal(0, 1.0, (3, 1, d))
+        y_t, state, aux = plan.decode(layer, state, jnp.asarray(x_t, jnp.float32), step, jnp.ones((3, 1), bool))
+        y_ref, selected = ref_pop_decode(W, R, C, x_t, m)
+        np.testing.assert_allclose(np.asarray(y_t), y_ref, atol=ATOL)
+        if m:
+            assert np.asarray(aux["selected"]).tolist() == selected
+
+
+def dequantized_twin(model):
+    """The float model whose weights are the int8 model's q · s (same config, weights "float")."""
+    tree = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
+    tree["layers"] = {str(k): v for k, v in tree["layers"].items()}
+    cfg = dataclasses.replace(model.config, weights="float")
+    return place_model(cfg, tree, model.tokenizer, "dequantized", "float32")
+
+
+@pytest.fixture(scope="module")
+def int8_pair(tiny_checkpoints):
+    """(int8 model, its dequantized float twin) of the tiny llama-gqa checkpoint."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    model = popjax.load(directory, cache=False, weights="int8")
+    return model, dequantized_twin(model)
+
+
+def test_int8_model_equals_float_model_on_dequantized_weights(int8_pair):
+    """Logits of prefill and of greedy decode: int8 model = float model of q · s within 1e-5;
+    every linear weight (embeddings and LM head too) is int8 with a [..., 1] fp32 scale; norms stay float."""
+    model, twin = int8_pair
+    leaves = dict((".".join(str(getattr(k, "key", k)) for k in path), a)
+                  for path, a in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(model.params)))
+    for name in ("layers.0.attn.qkv", "layers.0.attn.o", "layers.1.mlp.gate_up", "layers.1.mlp.down"):
+        assert leaves[name].dtype == jnp.int8 and leaves[name + "_scale"].shape == (*leaves[name].shape[:-1], 1)
+    assert leaves["lm_head"].dtype == jnp.int8 and leaves["lm_head_scale"].shape == (model.config.vocab_size, 1)
+    assert leaves["embed"].dtype == jnp.int8 and leaves["layers.0.attn_norm.weight"].dtype == jnp.float32
+    prompts = [[5, 17, 3, 99, 42, 7], [8, 9, 10]]
+    got = popjax.forward(model, [[0, 0, 0, 8, 9, 10], prompts[0]], attention_mask=[[0, 0, 0, 1, 1, 1], [1] * 6])
+    want = popjax.forward(twin, [[0, 0, 0, 8, 9, 10], prompts[0]], attention_mask=[[0, 0, 0, 1, 1, 1], [1] * 6])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=1e-5)
+    a, _ = popjax.generate_ids(model, prompts, 6, ignore_eos=True)
+    b, _ = popjax.generate_ids(twin, prompts, 6, ignore_eos=True)
+    assert a == b
+
+
+def _ready(name, model):
+    """A registered method ready for a tiny model (calibrated on random tokens where it needs it)."""
+    from popjax.calibration import Corpus
+
+    method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {}))
+    if name == "prefill-only":
+        method = make_method("prefill-only+pop", skip=(1,))
+    corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 160, 6 * 16), window=16)
+    if name in ("teal", "cats", "wanda-sp", "flap"):  # statistics over a corpus (as tests/test_moe_methods.py)
+        method = method.calibrate(model, corpus, cache=False)
+    elif name == "pop-bands":  # its drift, measured on the corpus
+        method = method.prepare(model, corpus=corpus)
+    return method.prepare(model)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_on_int8_equals_it_on_dequantized(name, int8_pair):
+    """Each registered method, teacher-forced through prefill and 3 decode steps on the int8
+    model, gives the log-probabilities it gives on the dequantized float model (1e-4: the same
+    selections; rounding differs only in where the scale multiplies)."""
+    model, twin = int8_pair
+    tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
+    targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
+    out = []
+    for m in (model, twin):
+        method = _ready(name, m)
+        _, logp, _ = engine.teacher_force(m.graphdef, m.params, method.bind(m.config), jnp.asarray(tokens),
+                                          jnp.asarray(mask), targets, with_logprobs=True, data=method.data(m))
+        out.append(np.asarray(logp))
+    np.testing.assert_allclose(out[0], out[1], atol=1e-4)
+
+
+def test_int8_scanned_layers_and_moe(int8_pair):
+    """The scanned int8 model equals the unrolled one; a MoE model's experts are int8 too and
+    its int8 model equals its dequantized twin."""
+    model, _ = int8_pair
+    prompts = [[5, 17, 3, 99, 42, 7]]
+    np.testing.assert_allclose(np.asarray(popjax.forward(with_scanned_layers(model), prompts)),
+                               np.asarray(popjax.forward(model, prompts)), atol=ATOL)
+    from popjax.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 40,
+                                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "num_experts": 8,
+                                    "num_experts_per_tok": 2, "mlp_only_layers": [1], "max_position_embeddings": 64})
+    rng = np.random.default_rng(0)
+    tree = conv.unflatten({k: rng.normal(0, 0.3, s).astype(np.float32) for k, s in conv.checkpoint_shapes(cfg).items()})
+    moe = build_model(dataclasses.replace(cfg, weights="int8"), tree, None, "moe", "float32")
+    experts = nnx.to_pure_dict(moe.params)["layers"][0]["mlp"]["experts"]
+    assert experts["gate_up"].dtype == jnp.int8 and experts["down_scale"].shape == (8, 32, 1)
+    twin = dequantized_twin(moe)
+    for method in (popjax.Dense(), popjax.POP(0.3)):
+        np.testing.assert_allclose(np.asarray(popjax.forward(moe, [[5, 6, 7, 8, 9]], method=method)),
+                                   np.asarray(popjax.forward(twin, [[5, 6, 7, 8, 9]], method=method)), atol=1e-4)
+
+
+def test_store_round_trip_is_bit_exact_and_keyed_by_format(tiny_checkpoints, tmp_path):
+    """A converted int8 store holds int8 arrays and scales (loading it gives the in-memory
+    conversion's arrays bit for bit); its config says int8; the cache keys float and int8 apart."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    store = popjax.convert_source(directory, tmp_path / "int8", weights="int8")
+    assert json.loads((store / "config.json").read_text())["popjax_weights"] == "int8"
+    loaded = popjax.load(store)
+    direct = popjax.load(directory, cache=False, weights="int8")
+    assert loaded.config.weights == "int8"
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(loaded.params)), jax.tree_util.tree_leaves(nnx.to_pure_dict(direct.params))):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cached_int8 = popjax.load(directory, weights="int8")
+    cached_float = popjax.load(directory)
+    assert cached_int8.config.weights == "int8" and cached_float.config.weights == "float"
+    from popjax.cache import list_entries
+
+    keys = [e.key_fields for e in list_entries() if e.kind == "converted"]
+    assert any(k.get("weights") == "int8" for k in keys) and any("weights" not in k for k in keys)
+
+
+def test_bad_weight_formats_are_one_clear_line(tiny_checkpoints, tmp_path, monkeypatch):
+    directory, _ = tiny_checkpoints("llama-gqa")
+    with pytest.raises(ValueError, match=r"weights='int4' is not a supported weight format; use one of \['float', 'int8'\]"):
+        popjax.load(directory, weights="int4")
+    with pytest.raises(ValueError, match=r"dtype='int8' is not supported \(the compute dtype; int8 is a weight format"):
+        popjax.load(directory, dtype="int8")
+    store = popjax.convert_source(directory, tmp_path / "int8", weights="int8")
+    with pytest.raises(CheckpointError, match=r"was converted with weights='int8'; load it with weights='int8'"):
+        popjax.load(store, weights="float")
+    # a failed quantization leaves no cache entry
+    from popjax.cache import list_entries
+    from popjax.convert import fused
+
+    before = {e.key for e in list_entries()}
+
+    def broken(w):
+        raise RuntimeError("quantization failed")
+
+    monkeypatch.setattr(fused, "quantize", broken)
+    with pytest.raises(RuntimeError, match="quantization failed"):
+        popjax.load(directory, dtype="bfloat16", weights="int8")
+    assert {e.key for e in list_entries()} == before
