@@ -76,6 +76,10 @@ class ModelConfig:
     # (int8 values, an fp32 scale per output channel). Not an HF field: written as
     # ``popjax_weights`` in popjax's own config.json when not "float".
     weights: str = "float"
+    # How an int8 model's dots read their activations (models/quant.py `dot`): "float"
+    # (weight-only) or "int8" (per-token dynamic int8, an int8 × int8 dot). A run-time choice
+    # of `popjax.load`, never stored: a converted store serves both.
+    activations: str = "float"
 
     @property
     def q_dim(self) -> int:
@@ -118,6 +122,7 @@ class ModelConfig:
             out["intermediate_sizes"] = list(self.intermediate_sizes)
         if not self.down_proj_bias:
             del out["down_proj_bias"]
+        del out["activations"]  # a run-time choice (popjax.load), not part of the checkpoint
         weights = out.pop("weights")
         if weights != "float":
             out["popjax_weights"] = weights

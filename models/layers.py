@@ -48,8 +48,9 @@ class LinearWeights:
     ``nnx.Param``, or for "int8" an int8 ``name`` with its fp32 ``name_scale`` ([..., 1]: one
     scale per output channel, models/quant.py). `weight` reads either as what `linear` takes."""
 
-    def _linear_param(self, name: str, shape: tuple[int, ...], dtype: jnp.dtype, weights: str) -> None:
+    def _linear_param(self, name: str, shape: tuple[int, ...], dtype: jnp.dtype, weights: str, activations: str = "float") -> None:
         self.compute_dtype = jnp.dtype(dtype)
+        self.int8_activations = activations  # how `dot` reads x against an int8 weight (models/quant.py)
         if weights == "int8":
             setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.int8)))
             setattr(self, f"{name}_scale", nnx.Param(jnp.ones((*shape[:-1], 1), jnp.float32)))
@@ -60,7 +61,7 @@ class LinearWeights:
         """The weight ``name``: an array, or an `Int8Weight` in an int8 model."""
         scale = getattr(self, f"{name}_scale", None)
         value = getattr(self, name)[...]
-        return value if scale is None else Int8Weight(value, scale[...], self.compute_dtype)
+        return value if scale is None else Int8Weight(value, scale[...], self.compute_dtype, self.int8_activations)
 
 
 class TokenEmbeddings(LinearWeights):
@@ -70,9 +71,9 @@ class TokenEmbeddings(LinearWeights):
     largest matrix a small model's decode step reads, reads one byte per weight."""
 
     def _embedding_params(self, cfg: ModelConfig, dtype: jnp.dtype) -> None:
-        self._linear_param("embed", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights)
+        self._linear_param("embed", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations)
         if not cfg.tie_word_embeddings:
-            self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights)
+            self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> x [B, T, d] in the compute dtype."""
@@ -136,8 +137,8 @@ class Attention(nnx.Module, LinearWeights):
         self.cfg = cfg
         n_kv, h = cfg.num_key_value_heads, cfg.head_dim
         parts = cfg.num_attention_heads // n_kv + 2  # a KV group's query heads, its key, its value
-        self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights)
-        self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights)
+        self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights, cfg.activations)
+        self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights, cfg.activations)
         if cfg.qkv_bias:
             self.qkv_bias = _param((n_kv, parts, h), dtype)
         if cfg.qk_norm:
@@ -226,8 +227,8 @@ class MLPWeights(nnx.Module, LinearWeights):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
-        self._linear_param("gate_up", (2, f, d), dtype, cfg.weights)  # [gate; up] on a leading axis
-        self._linear_param("down", (d, f), dtype, cfg.weights)
+        self._linear_param("gate_up", (2, f, d), dtype, cfg.weights, cfg.activations)  # [gate; up] on a leading axis
+        self._linear_param("down", (d, f), dtype, cfg.weights, cfg.activations)
         if cfg.down_proj_bias:  # a structurally pruned checkpoint's bias (popjax.pruned)
             self.down_bias = _param((d,), dtype)
         # ‖W_d[:, j]‖₂ per channel (channel importance scores read it): a per-model constant, filled in by `finalize`.

@@ -40,9 +40,9 @@ class ExpertStack(nnx.Module, LinearWeights):
     per-output-channel scales: ``weights`` "int8"), down_norm [n, f] (derived), channel_order
     [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
 
-    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype, weights: str = "float"):
-        self._linear_param("gate_up", (n, 2, f, d), dtype, weights)
-        self._linear_param("down", (n, d, f), dtype, weights)
+    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype, weights: str = "float", activations: str = "float"):
+        self._linear_param("gate_up", (n, 2, f, d), dtype, weights, activations)
+        self._linear_param("down", (n, d, f), dtype, weights, activations)
         self.down_norm = Derived(jnp.zeros((n, f), jnp.float32))
         self.channel_order = Derived(jnp.zeros((n, f), jnp.int32))
 
@@ -64,10 +64,10 @@ class MoEWeights(nnx.Module):
         self.n_experts = moe.num_experts  # slot offset of the always-active blocks (MoEConfig.slots)
         if moe.is_sparse(layer):
             self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype))
-            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype, cfg.weights)
+            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype, cfg.weights, cfg.activations)
         n_always = moe.blocks(moe.always_width(layer))
         if n_always:
-            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype, cfg.weights)
+            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype, cfg.weights, cfg.activations)
             if moe.is_sparse(layer) and moe.shared_gate:
                 self.shared_gate = nnx.Param(jnp.zeros((1, d), dtype))
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 WEIGHT_FORMATS = ("float", "int8")  # ModelConfig.weights
+ACTIVATION_MODES = ("float", "int8")  # ModelConfig.int8_activations: how an int8 weight's dot reads x
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never used, so negation is exact
 
 
@@ -47,17 +48,19 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @jax.tree_util.register_pytree_node_class
 class Int8Weight:
     """values int8 [...]; scale fp32 of values' rank, size 1 on broadcast (input) axes;
-    ``dtype`` the compute dtype the weight stands in for (static)."""
+    ``dtype`` the compute dtype the weight stands in for and ``activations`` how `dot` reads
+    the other operand (both static): "float" (weight-only: the int8 values converted to x's
+    dtype) or "int8" (x quantized per row to int8, an int8 × int8 → int32 dot; see `dot`)."""
 
-    def __init__(self, values: Any, scale: Any, dtype: Any = jnp.float32):
-        self.values, self.scale, self.dtype = values, scale, jnp.dtype(dtype)
+    def __init__(self, values: Any, scale: Any, dtype: Any = jnp.float32, activations: str = "float"):
+        self.values, self.scale, self.dtype, self.activations = values, scale, jnp.dtype(dtype), activations
 
     def tree_flatten(self):
-        return (self.values, self.scale), self.dtype
+        return (self.values, self.scale), (self.dtype, self.activations)
 
     @classmethod
-    def tree_unflatten(cls, dtype, children):
-        return cls(*children, dtype)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
 
     def __repr__(self) -> str:
         return f"Int8Weight(shape={self.shape}, scale={tuple(self.scale.shape)}, dtype={self.dtype.name})"
@@ -76,7 +79,7 @@ class Int8Weight:
         return math.prod(self.shape)
 
     def _like(self, values, scale) -> "Int8Weight":
-        return Int8Weight(values, scale, self.dtype)
+        return Int8Weight(values, scale, self.dtype, self.activations)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """q · s as a float array (a full copy: for importance norms and calibration, not steps)."""
@@ -167,30 +170,79 @@ def _reshape_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[i
 
 
 def dot(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` for a float weight; for an `Int8Weight` the dot runs on the
-    int8 values converted to x's dtype (the convert fuses into the dot) and the scale multiplies
-    its output. ``spec`` names x's axes first, then w's; every axis along which the scale varies
-    must be an output axis (true of every linear layer: the scale is per output channel)."""
+    """``jnp.einsum(spec, x, w)`` for a float weight. For an `Int8Weight` the scale multiplies
+    the dot's output (every axis along which it varies must be an output axis: true of every
+    linear layer, the scale is per output channel), and the dot reads x as the weight's
+    ``activations`` say:
+
+    * "float" (weight-only): the int8 values converted to x's dtype. Exact up to rounding to the
+      float model of the dequantized weights. Where XLA fuses the convert into the dot (GPU, TPU)
+      a step reads one byte per weight; XLA:CPU instead writes a float copy of every weight
+      first (docs/performance.md, "int8 weights").
+    * "int8" (dynamic activations, as PyTorch's dynamic quantization and llama.cpp's CPU kernels
+      do): each row of x (one token: its contracted last axis) is quantized to int8 with its own
+      scale, the dot runs int8 × int8 → int32 and both scales multiply its output. XLA:CPU runs
+      that dot without any float copy of the weights. A single row is padded to two, which
+      keeps XLA off its slow matrix-vector path for integer dots.
+    """
     if not isinstance(w, Int8Weight):
         return jnp.einsum(spec, x, w, **kwargs)
     inputs, out = spec.replace(" ", "").split("->")
-    w_axes = inputs.split(",")[1]
+    x_axes, w_axes = inputs.split(",")
     if "." in w_axes:
         raise ValueError(f"dot spec {spec!r}: name every axis of an int8 weight")
     varying = [a for a, n in zip(w_axes, w.scale.shape) if n != 1]
     if any(a not in out for a in varying):
         raise ValueError(f"dot spec {spec!r} contracts an output axis of an int8 weight {w}")
-    y = jnp.einsum(spec, x, w.values.astype(x.dtype), **kwargs)
+    if w.activations == "int8" and x.shape[-1] and x.size:  # (an empty contraction: the float path's zeros)
+        y, x_scale = _int8_activation_dot(spec, x, w)
+    else:
+        y, x_scale = jnp.einsum(spec, x, w.values.astype(x.dtype), **kwargs), None
     scale = jnp.reshape(w.scale, [n for n in w.scale.shape if n != 1]) if varying else jnp.ones((), jnp.float32)
-    out_named = [a for a in out.replace("...", "") if a in varying]
-    scale = jnp.einsum(f"{''.join(varying)}->{''.join(out_named)}", scale) if varying else scale
-    # lay the scale out along y's axes: its axes where they are in ``out``, 1 elsewhere (ellipsis included)
-    ell = y.ndim - len(out.replace("...", ""))
-    sizes = {a: n for a, n in zip(out_named, scale.shape)}
-    layout = []
-    for a in out.replace("...", "@"):
-        layout += [1] * ell if a == "@" else [sizes.get(a, 1)]
-    return y * jnp.reshape(scale, layout).astype(y.dtype)
+    factor = _out_layout(scale, "".join(varying), out, y.ndim)
+    if x_scale is not None:
+        factor = factor * _out_layout(x_scale, x_axes[:-1], out, y.ndim)
+    dtype = kwargs.get("preferred_element_type") or x.dtype
+    return (y * factor).astype(dtype)
+
+
+def _out_layout(a: jax.Array, axes: str, out: str, ndim: int) -> jax.Array:
+    """``a`` (axes named by ``axes``, "..." allowed once) laid out to broadcast against the
+    einsum output ``out`` of rank ``ndim``: its axes where they are in ``out``, 1 elsewhere."""
+    ell_out = ndim - len(out.replace("...", ""))
+    named = lambda s: s.replace("...", "@")
+    a_axes = named(axes)
+    if "@" in a_axes:  # expand the ellipsis into digits, one per dimension it stands for
+        n = a.ndim - (len(a_axes) - 1)
+        a_axes = a_axes.replace("@", "".join(str(i) for i in range(n)))
+    out_axes = named(out).replace("@", "".join(str(i) for i in range(ell_out)))
+    kept = "".join(c for c in out_axes if c in a_axes)
+    a = jnp.einsum(f"{a_axes}->{kept}", a) if a_axes != kept else a
+    sizes = dict(zip(kept, a.shape))
+    return jnp.reshape(a, [sizes.get(c, 1) for c in out_axes])
+
+
+def _int8_activation_dot(spec: str, x: jax.Array, w: Int8Weight) -> tuple[jax.Array, jax.Array]:
+    """The int32 → fp32 dot of x quantized per row (its last axis, the contracted one) with the
+    int8 values -> (y without any scale, x's per-row scale [x.shape[:-1]])."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x_axes, w_axes = inputs.split(",")
+    if x_axes[-1] in out or x_axes[-1] not in w_axes or sum(a in w_axes and a not in out for a in x_axes) != 1:
+        raise ValueError(f"dot spec {spec!r}: int8 activations need x's last axis to be the one contracted axis")
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    xq = jnp.clip(jnp.round(xf / x_scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    single = x.ndim >= 2 and math.prod(x.shape[:-1]) == 1
+    if single:  # one row: two, so XLA:CPU runs its integer GEMM, not a slow matrix-vector loop
+        xq = jnp.concatenate([xq, jnp.zeros_like(xq)], axis=0)
+    y = jnp.einsum(spec, xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
+    if single:
+        first = x_axes[0]
+        out_axes = out.replace("...", "@" * (y.ndim - len(out.replace("...", ""))))
+        position = out_axes.index("@" if first == "." else first)
+        y = jax.lax.slice_in_dim(y, 0, 1, axis=position)
+    return y, x_scale
 
 
 def dequantized(w: Any) -> Any:

@@ -24,7 +24,7 @@ from .convert.store import FORMAT_VERSION, is_converted, read_converted, source_
 from .loaded import LoadedModel, unrolled, with_scanned_layers
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
-from .models.quant import check_weights
+from .models.quant import ACTIVATION_MODES, check_weights
 from .models.layers import MLPWeights
 from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
 from . import sharding
@@ -161,7 +161,7 @@ def default_dtype() -> str:
 
 def load(
     source: str | Path = DEFAULT_MODEL, dtype: str | None = None, cache: bool = True, mesh: Any = None,
-    scan_layers: bool = False, weights: str | None = None,
+    scan_layers: bool = False, weights: str | None = None, activations: str | None = None,
 ) -> LoadedModel:
     """Loads a model for generation.
 
@@ -185,13 +185,21 @@ def load(
       weights: how the decoder's linear layers (q/k/v, o, gate/up, down; MoE experts too) are
         stored and read: ``"float"`` (in ``dtype``) or ``"int8"`` (symmetric int8, one fp32 scale
         per output channel, applied after each dot: ~4x fewer bytes per decode step;
-        models/quant.py). Embeddings, LM head, norms and biases stay in ``dtype``. None: "float"
-        for a source, the converted directory's own format for one.
+        models/quant.py). The embeddings and LM head too (a scale per token row); norms and
+        biases stay in ``dtype``. None: "float" for a source, the converted directory's own
+        format for one.
+      activations: how an int8 model's dots read their activations: ``"float"`` (weight-only:
+        equal within rounding to the float model of the dequantized weights) or ``"int8"``
+        (per-token dynamic int8 and int8 × int8 dots: the fast form on CPU, where XLA does not
+        fuse an int8→float convert into a dot; docs/performance.md). None: "int8" on CPU,
+        "float" on GPU/TPU.
     """
     dtype = default_dtype() if dtype is None else dtype
     conv.check_dtype(dtype)
     if weights is not None:
         check_weights(weights)
+    if activations is not None and activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations={activations!r} is not supported; use one of {list(ACTIVATION_MODES)}")
     kind, path = _resolve_source(source)
     if kind == "converted":
         directory = path
@@ -204,7 +212,8 @@ def load(
     elif not cache:
         converted = _convert(kind, path, dtype, weights or "float")
         tokenizer = _load_tokenizer_direct(kind, path)
-        return build_model(converted.config, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
+        cfg = with_activations(converted.config, activations)
+        return build_model(cfg, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
     else:
         directory = converted_entry(kind, path, dtype, weights or "float")
     sharding_of = None
@@ -217,7 +226,20 @@ def load(
         from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
-    return place_model(cfg, params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
+    return place_model(with_activations(cfg, activations), params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
+
+
+def with_activations(cfg: ModelConfig, activations: str | None) -> ModelConfig:
+    """``cfg`` with the activation mode of its int8 dots (`load`'s ``activations``)."""
+    if activations is not None and activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations={activations!r} is not supported; use one of {list(ACTIVATION_MODES)}")
+    if cfg.weights != "int8":
+        if activations == "int8":
+            raise ValueError("activations='int8' needs int8 weights (weights='int8')")
+        return cfg
+    if activations is None:
+        activations = "int8" if jax.default_backend() == "cpu" else "float"
+    return dataclasses.replace(cfg, activations=activations)
 
 
 def _load_tokenizer_direct(kind: str, path: Path):

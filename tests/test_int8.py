@@ -91,9 +91,9 @@ def dequantized_twin(model):
 
 @pytest.fixture(scope="module")
 def int8_pair(tiny_checkpoints):
-    """(int8 model, its dequantized float twin) of the tiny llama-gqa checkpoint."""
+    """(weight-only int8 model, its dequantized float twin) of the tiny llama-gqa checkpoint."""
     directory, _ = tiny_checkpoints("llama-gqa")
-    model = popjax.load(directory, cache=False, weights="int8")
+    model = popjax.load(directory, cache=False, weights="int8", activations="float")
     return model, dequantized_twin(model)
 
 
@@ -148,6 +148,48 @@ def test_every_method_on_int8_equals_it_on_dequantized(name, int8_pair):
     np.testing.assert_allclose(out[0], out[1], atol=1e-4)
 
 
+def test_int8_activation_dot_matches_numpy():
+    """activations="int8": each row of x quantized to int8 with its own scale, an exact integer
+    dot, both scales on the output — against NumPy in float64, for one row (padded to two
+    inside), several rows and the stacked gate/up layout."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.2, (12, 16)).astype(np.float32)
+    q, s = quantize(w)
+    W = Int8Weight(jnp.asarray(q), jnp.asarray(s), jnp.float32, "int8")
+    for shape in ((1, 1, 16), (3, 5, 16)):
+        x = rng.normal(size=shape).astype(np.float32)
+        x[0, 0, 3] = 0.0
+        xq, sx = ref_quantize(x.reshape(-1, 16))
+        want = (xq.astype(np.int64) @ q.T.astype(np.int64)) * sx[:, None] * s[:, 0][None]
+        got = dot("...i,oi->...o", jnp.asarray(x), W)
+        np.testing.assert_allclose(np.asarray(got).reshape(-1, 12), want, rtol=1e-6, atol=1e-6)
+    x = rng.normal(size=(1, 16)).astype(np.float32)
+    xq, sx = ref_quantize(x)
+    got = dot("...d,gnd->g...n", jnp.asarray(x), W.reshape(2, 6, 16))
+    want = ((xq.astype(np.int64) @ q.T.astype(np.int64)) * sx[:, None] * s[:, 0][None]).reshape(1, 2, 6).transpose(1, 0, 2)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_int8_activations_model_stays_close(tiny_checkpoints):
+    """The default int8 model on CPU (activations="int8") against the weight-only one: logits
+    within the activation-quantization error, the same greedy tokens on these prompts; every
+    registered method runs on it."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    fast = popjax.load(directory, cache=False, weights="int8")
+    assert fast.config.activations == "int8"  # the CPU default
+    exact = popjax.load(directory, cache=False, weights="int8", activations="float")
+    prompts = [[5, 17, 3, 99, 42, 7, 8, 9]]
+    a, b = popjax.forward(fast, prompts), popjax.forward(exact, prompts)
+    assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) < 0.05 * float(np.abs(np.asarray(b)).max())
+    tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
+    targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
+    for name in sorted(METHODS):
+        method = _ready(name, fast)
+        nll, _, _ = engine.teacher_force(fast.graphdef, fast.params, method.bind(fast.config), jnp.asarray(tokens),
+                                         jnp.asarray(mask), targets, data=method.data(fast))
+        assert np.all(np.isfinite(np.asarray(nll))), name
+
+
 def test_int8_scanned_layers_and_moe(int8_pair):
     """The scanned int8 model equals the unrolled one; a MoE model's experts are int8 too and
     its int8 model equals its dequantized twin."""
@@ -199,6 +241,10 @@ def test_bad_weight_formats_are_one_clear_line(tiny_checkpoints, tmp_path, monke
         popjax.load(directory, weights="int4")
     with pytest.raises(ValueError, match=r"dtype='int8' is not supported \(the compute dtype; int8 is a weight format"):
         popjax.load(directory, dtype="int8")
+    with pytest.raises(ValueError, match=r"activations='int4' is not supported; use one of \['float', 'int8'\]"):
+        popjax.load(directory, weights="int8", activations="int4")
+    with pytest.raises(ValueError, match=r"activations='int8' needs int8 weights"):
+        popjax.load(directory, cache=False, activations="int8")
     store = popjax.convert_source(directory, tmp_path / "int8", weights="int8")
     with pytest.raises(CheckpointError, match=r"was converted with weights='int8'; load it with weights='int8'"):
         popjax.load(store, weights="float")
