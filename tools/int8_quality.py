@@ -2,7 +2,7 @@
 the eval: 16 windows of 256 prefilled + 128 decoded tokens, the frontier's defaults).
 
 For dense, static and POP at 20% and 40%: the held-out NLL of the fp32 and of the int8 model
-under the same method and their difference, the KL of int8's next-token distribution from
+(with int8 activations, the CPU default, and weight-only) under the same method and their difference, the KL of int8's next-token distribution from
 fp32's (same method), and the greedy agreement (how often int8's argmax equals fp32's at the
 teacher-forced positions). Writes JSON and a markdown table.
 
@@ -70,9 +70,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=None)
     args = parser.parse_args()
     fp32 = popjax.load()
-    variants = {"int8": popjax.load(weights="int8")}
+    variants = {"int8 (int8 activations)": popjax.load(weights="int8", activations="int8"),
+                "int8 (weight-only)": popjax.load(weights="int8", activations="float")}
     if args.group_size:
-        variants[f"int8-g{args.group_size}"] = group_quantized(fp32, args.group_size)
+        variants[f"int8 group {args.group_size} (weight-only)"] = group_quantized(fp32, args.group_size)
     s = dataclasses.replace(NLLSettings(), windows=args.windows)
     prompts, targets = text_windows(fp32, load_play(HELD_OUT_PLAY), s)
     rows = []
