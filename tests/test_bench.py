@@ -37,3 +37,30 @@ def test_bench_command_writes_json(tmp_path):
     assert {(r["method"], r["ratio"], r["batch"]) for r in result["records"]} == {("dense", 0.0, 1), ("pop", 0.2, 1)}
     for record in result["records"]:
         assert keys <= set(record) and record["recompiles_across_20_prompts"] == 0
+
+
+def test_int8_bytes_and_weight_formats_in_the_table():
+    """An int8 model's step reads one byte per weight (LM head included) and caches in the
+    compute dtype; the bench validates its weight formats and tables both formats and every peer."""
+    import dataclasses
+
+    import popjax
+    from popjax.bench.runner import BenchSettings, format_table
+
+    cfg = ModelConfig.from_hf_dict(SMOLLM2)
+    int8 = dataclasses.replace(cfg, weights="int8")
+    plan = popjax.Dense().bind(cfg)
+    weights = 30 * (cfg.attention_params_per_layer() + cfg.mlp_params_per_layer()) + 49152 * 576
+    kv = 2 * 30 * 96 * 192 * 4
+    assert bytes_per_step(cfg, plan, 1, 96, 4) == 4 * weights + kv
+    assert bytes_per_step(int8, plan, 1, 96, 4) == weights + kv
+    with pytest.raises(ValueError, match=r"weights=\['int4'\]: 'int4' is not a weight format; choose from float, int8"):
+        BenchSettings(weights=["int4"])
+    rec = lambda w, tps: {"method": "dense", "label": "dense", "weights": w, "ratio": 0.0, "batch": 1, "decode_tokens_per_s": tps,
+                          "roofline_tokens_per_s": 100.0, "roofline_fraction": tps / 100, "ttft_s": 0.1, "compile_s": 1.0}
+    peers = {"transformers": {"engine": "transformers fp32", "by_batch": {"1": {"decode_tokens_per_s": 10.0}}},
+             "llama_cpp": {"engine": "llama.cpp", "by_batch": {"1": {"decode_tokens_per_s": 50.0}}}}
+    table = format_table({"bandwidth_gb_s": 30.0, "records": [rec("float", 40.0), rec("int8", 60.0)],
+                          "transformers": peers["transformers"], "peers": peers})
+    assert "| dense | int8 | 0.00 | 1 | 60.0 | 1.00 | 1.50 | 6.00 |" in table
+    assert "llama.cpp, batch 1: 50.0 tok/s" in table

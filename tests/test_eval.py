@@ -106,6 +106,7 @@ def test_eval_command_writes_records_table_and_plots(tmp_path, capsys):
         "eval", "--methods", "dense,pop", "--ratios", "0.2", "--tasks", "nll,fidelity",
         "--nll-prompt-tokens", "32", "--nll-decode-tokens", "16", "--nll-windows", "2",
         "--fidelity-tokens", "8", "--fidelity-instructions", "2", "--fidelity-humaneval", "1", "--batch-size", "2",
+        "--scan-layers",  # one layer's code per program: a fraction of the unrolled model's trace and compile time
         "--json", str(path), "--out", str(out),
     ])
     assert code == 0
