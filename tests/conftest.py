@@ -10,11 +10,6 @@ import pytest
 
 # Keep tests on one deterministic CPU device and out of the user's cache.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's optimisation passes are most of a test's compile time and buy nothing at test sizes (a
-# tiny model runs in milliseconds; the real one for a few dozen tokens). Set in the environment,
-# so the subprocesses of the suite (CLI commands, notebook kernels) inherit it; a test that
-# reads optimised HLO for a performance fact compiles under `optimized_compiles`.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 TINY_BASE = dict(
     vocab_size=160,
@@ -124,17 +119,6 @@ def _isolated_cache(tmp_path_factory):
         os.environ.pop("POPJAX_CACHE", None)
     else:
         os.environ["POPJAX_CACHE"] = previous
-
-
-@pytest.fixture
-def optimized_compiles():
-    """XLA's optimisations on for one test (the suite runs without them, see the top)."""
-    import jax
-
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")
