@@ -172,8 +172,8 @@ def test_int8_activation_dot_matches_numpy():
 
 def test_int8_activations_model_stays_close(tiny_checkpoints):
     """The default int8 model on CPU (activations="int8") against the weight-only one: logits
-    within the activation-quantization error, the same greedy tokens on these prompts; every
-    registered method runs on it."""
+    within the activation-quantization error; methods of every kind of compact copy run on it
+    (the full registry sweep runs weight-only, above: the dot's two modes share every gather)."""
     directory, _ = tiny_checkpoints("llama-gqa")
     fast = popjax.load(directory, cache=False, weights="int8")
     assert fast.config.activations == "int8"  # the CPU default
@@ -183,7 +183,7 @@ def test_int8_activations_model_stays_close(tiny_checkpoints):
     assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) < 0.05 * float(np.abs(np.asarray(b)).max())
     tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
     targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
-    for name in sorted(METHODS):
+    for name in ("static", "pop", "dynamic", "bwap", "pop-shortlist", "wanda-sp"):
         method = _ready(name, fast)
         nll, _, _ = engine.teacher_force(fast.graphdef, fast.params, method.bind(fast.config), jnp.asarray(tokens),
                                          jnp.asarray(mask), targets, data=method.data(fast))
