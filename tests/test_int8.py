@@ -261,3 +261,16 @@ def test_bad_weight_formats_are_one_clear_line(tiny_checkpoints, tmp_path, monke
     with pytest.raises(RuntimeError, match="quantization failed"):
         popjax.load(directory, dtype="bfloat16", weights="int8")
     assert {e.key for e in list_entries()} == before
+
+
+def test_prefill_only_calibrated_kv_on_int8(int8_pair):
+    """Prefill-Only's calibrated K/V projections fit on an int8 model (from its dequantized k/v
+    rows) and run through generate as every calibrated method does."""
+    from popjax.methods.prefill_only.calibrate import calibrate_kv
+
+    model, _ = int8_pair
+    prompts = [np.random.default_rng(2).integers(3, 160, 24).tolist() for _ in range(4)]
+    calibration = calibrate_kv(model, (1,), prompts, window=24, cache=False)
+    method = popjax.PrefillOnly(skip=(1,), kv="calibrated", kv_calibration=calibration) + popjax.POP(0.3)
+    ids, _ = popjax.generate_ids(model, [[5, 17, 3, 99, 42, 7]], 4, method=method, ignore_eos=True)
+    assert len(ids[0]) == 4
