@@ -1,13 +1,15 @@
-"""Weight-only int8: symmetric int8 values with one fp32 scale per output channel.
+"""int8 weights: symmetric int8 values with one fp32 scale per output channel.
 
 A quantized linear weight ``W ≈ q · s`` keeps popjax's ``[out, ..., in]`` layout: ``q`` int8 of
 W's shape and ``s`` fp32 of the same rank with size 1 on the input (contracted) axis, so the
 scale multiplies the *output* of a dot, ``x · Wᵀ = (x · qᵀ) · s``. That placement is what keeps
 every method working on int8 weights unchanged: an FFN channel is an output row of gate/up (its
 scale travels with it when a method copies or gathers channels) and an input column of down
-(whose scales, one per output row d, do not depend on which channels are kept). The int8→float
-convert sits right before the dot, where XLA fuses it into the dot's loop (docs/performance.md,
-"int8 weights"): a decode step reads one byte per weight and never writes a float copy.
+(whose scales, one per output row d, do not depend on which channels are kept). How the dot
+reads the other operand is the weight's ``activations`` (`dot`): weight-only, where XLA fuses the
+int8→float convert into the matmul (GPU, TPU), or per-token int8 activations and an integer dot,
+the fast form on XLA:CPU, which writes a float copy of a converted weight instead of fusing it
+(docs/performance.md, "int8 weights").
 
 `Int8Weight` is a pytree (it traces, vmaps, scans and shards as its two arrays) with the few
 array operations the methods apply to weights (indexing, take, transpose, reshape); `dot` is the
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 WEIGHT_FORMATS = ("float", "int8")  # ModelConfig.weights
-ACTIVATION_MODES = ("float", "int8")  # ModelConfig.int8_activations: how an int8 weight's dot reads x
+ACTIVATION_MODES = ("float", "int8")  # ModelConfig.activations: how an int8 weight's dot reads x
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never used, so negation is exact
 
 
