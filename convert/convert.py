@@ -53,6 +53,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "attn.q_bias": (cfg.q_dim,), p + "attn.k_bias": (cfg.kv_dim,), p + "attn.v_bias": (cfg.kv_dim,)})
         if cfg.qk_norm:
             shapes.update({p + "attn.q_norm.weight": (cfg.head_dim,), p + "attn.k_norm.weight": (cfg.head_dim,)})
+        if cfg.sandwich_norms:
+            shapes.update({p + "attn_post_norm.weight": (d,), p + "mlp_post_norm.weight": (d,)})
     return shapes
 
 
@@ -130,7 +132,7 @@ def convert_hf(directory: Path, dtype: str = "float32") -> ConvertedCheckpoint:
         cfg,
         readers.iter_hf_tensors(files),
         readers.hf_tensor_count(files),
-        names.HF_RULES,
+        names.hf_rules(cfg),
         names.HF_IGNORED,
         str(directory),
         dtype,
@@ -146,7 +148,7 @@ def convert_gguf(path: Path, dtype: str = "float32") -> ConvertedCheckpoint:
         cfg,
         readers.iter_gguf_tensors(reader, path),
         len(reader.tensors),
-        names.GGUF_RULES,
+        names.gguf_rules(cfg),
         names.GGUF_IGNORED,
         str(path),
         dtype,

@@ -1,7 +1,9 @@
 """Explicit name maps from HF safetensors and GGUF tensor names to popjax parameter paths.
 
 A rule maps a source-name regex to a target path template and a transform. Both sides use the
-HF/PyTorch ``[out, in]`` layout; the only transform undoes llama.cpp's q/k row permutation.
+HF/PyTorch ``[out, in]`` layout. Transforms: undo llama.cpp's q/k row permutation (LLaMA GGUFs);
+``plus_one`` folds Gemma's (1 + w) RMSNorm convention into the stored multiplier (HF Gemma
+checkpoints store w; llama.cpp already stores 1 + w in a GGUF, so its rules add nothing).
 The converted tree keeps q/k/v and gate/up apart (one entry per source tensor); the model
 fuses them when it is built (`popjax.loading.build_model`).
 """
@@ -20,7 +22,7 @@ from ..models.config import ModelConfig
 class Rule:
     pattern: str  # full-match regex over the source name
     target: str  # dotted path; {0}, {1} are regex groups
-    transform: str = "id"  # "id", "unpermute_q", "unpermute_k"
+    transform: str = "id"  # "id", "unpermute_q", "unpermute_k", "plus_one"
 
 
 HF_RULES = (
@@ -43,6 +45,20 @@ HF_RULES = (
     Rule(r"model\.norm\.weight", "final_norm.weight"),
     Rule(r"lm_head\.weight", "lm_head"),
 )
+# Gemma 3 (text): input / post-attention / pre-FFN / post-FFN norms around each block, norms
+# stored as w with the model computing (1 + w).
+GEMMA3_HF_RULES = (
+    Rule(r"model\.embed_tokens\.weight", "embed"),
+    Rule(r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.attn_norm.weight", "plus_one"),
+    Rule(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.attn_post_norm.weight", "plus_one"),
+    Rule(r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{0}.mlp_norm.weight", "plus_one"),
+    Rule(r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{0}.mlp_post_norm.weight", "plus_one"),
+    Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", "layers.{0}.attn.{1}"),
+    Rule(r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight", "plus_one"),
+    Rule(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}"),
+    Rule(r"model\.norm\.weight", "final_norm.weight", "plus_one"),
+    Rule(r"lm_head\.weight", "lm_head"),
+)
 # Source tensors that carry no parameter (derived buffers some exporters save).
 HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
@@ -62,7 +78,32 @@ GGUF_RULES = (
     Rule(r"output_norm\.weight", "final_norm.weight"),
     Rule(r"output\.weight", "lm_head"),
 )
+GEMMA3_GGUF_RULES = (
+    Rule(r"token_embd\.weight", "embed"),
+    Rule(r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.attn_norm.weight"),
+    Rule(r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.attn_post_norm.weight"),
+    Rule(r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.mlp_norm.weight"),
+    Rule(r"blk\.(\d+)\.post_ffw_norm\.weight", "layers.{0}.mlp_post_norm.weight"),
+    Rule(r"blk\.(\d+)\.attn_(q|k|v)\.weight", "layers.{0}.attn.{1}"),
+    Rule(r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o"),
+    Rule(r"blk\.(\d+)\.attn_(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight"),
+    Rule(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers.{0}.mlp.{1}"),
+    Rule(r"output_norm\.weight", "final_norm.weight"),
+    Rule(r"output\.weight", "lm_head"),
+)
 GGUF_IGNORED: tuple[str, ...] = ()
+
+# Name maps of architectures whose tensors are named otherwise than LLaMA's.
+_HF_RULES_BY_TYPE = {"gemma3_text": GEMMA3_HF_RULES}
+_GGUF_RULES_BY_TYPE = {"gemma3_text": GEMMA3_GGUF_RULES}
+
+
+def hf_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return _HF_RULES_BY_TYPE.get(cfg.model_type, HF_RULES)
+
+
+def gguf_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return _GGUF_RULES_BY_TYPE.get(cfg.model_type, GGUF_RULES)
 
 
 def match(rules: tuple[Rule, ...], name: str) -> tuple[str, str] | None:
@@ -89,4 +130,6 @@ def apply_transform(w: np.ndarray, transform: str, cfg: ModelConfig, unpermute: 
     if transform.startswith("unpermute_") and unpermute:
         heads = cfg.num_attention_heads if transform == "unpermute_q" else cfg.num_key_value_heads
         return _unpermute(w, heads)
+    if transform == "plus_one":
+        return np.asarray(w, np.float32) + np.float32(1.0)
     return w

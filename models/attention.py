@@ -10,6 +10,16 @@
   in blocks of ``KV_BLOCK`` slots only up to the last written slot (a ``fori_loop`` with a
   dynamic trip count), so a cache sized for 4096 new tokens costs what the current length needs.
 
+* ``ring_attention`` (decode, sliding-window layers): a layer that attends to the last ``window``
+  positions keeps a ring buffer of ``ring_slots(window, S)`` slots — index c lives in slot
+  c mod R — so its cache and its decode attention cost the window, whatever the context. The
+  queries read the ring as it was before this call plus their own fresh keys/values, then the
+  fresh entries are written over the oldest ones (correct for any number of new tokens).
+
+Sliding windows: a query at index i attends to keys c with i − window < c ≤ i (HF's
+``sliding_window``, the query itself included). Prefill applies the same mask and its flash loop
+skips key blocks the window excludes as well as those above the diagonal.
+
 GQA everywhere: q is reshaped to ``(kv_heads, group)``; K/V are never repeated. Scores and the
 softmax run in fp32. Masked scores are a finite ``MASKED`` so a fully masked (padding) row gives
 a finite, unused output instead of NaN.
@@ -19,10 +29,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MASKED = -1e30
 PREFILL_BLOCK = 512  # query/key block of the flash prefill (prompt buckets are powers of two)
 KV_BLOCK = 256  # cache slots read per decode-attention block
+
+
+NO_WINDOW = 2**30  # a window no sequence reaches: a full layer's, where a window must be an array (scanned layers)
+
+
+def ring_slots(window: int, slots: int) -> int:
+    """Ring-buffer slots of a sliding-window layer in a cache of ``slots`` slots (`cache_slots`):
+    the window, rounded up to a multiple of ``KV_BLOCK`` once it exceeds one block (decode reads
+    whole blocks), and never more than the cache itself (a short sequence never wraps)."""
+    ring = window if window <= KV_BLOCK else -(-window // KV_BLOCK) * KV_BLOCK
+    return min(ring, slots)
 
 
 def cache_slots(prompt_slots: int, capacity: int) -> int:
@@ -38,10 +60,18 @@ def group_queries(q: jax.Array, n_kv: int) -> jax.Array:
     return q.reshape(B, T, n_kv, n_q // n_kv, h)
 
 
-def attention_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
-    """qg [B, T, kv, g, h], k [B, S, kv, h] -> fp32 scaled scores [B, kv, g, T, S]."""
+def attention_scores(qg: jax.Array, k: jax.Array, scale: float | None = None) -> jax.Array:
+    """qg [B, T, kv, g, h], k [B, S, kv, h] -> fp32 scores [B, kv, g, T, S] scaled by ``scale``
+    (default h^-½; `ModelConfig.attention_scale`)."""
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    return s * (qg.shape[-1] ** -0.5)
+    return s * (qg.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def in_window(q_index: jax.Array, k_index: jax.Array, window) -> jax.Array:
+    """Causal and within the window: k ≤ q and q − k < window (``window`` None: no window; an int
+    or a traced int32). Broadcasts q_index against k_index."""
+    causal = k_index <= q_index
+    return causal if window is None else causal & (q_index - k_index < window)
 
 
 def online_softmax_update(carry, scores, v):
@@ -70,23 +100,24 @@ def finish_softmax(carry, dtype) -> jax.Array:
     return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
 
 
-def _direct(qg, k, v, mask) -> jax.Array:
+def _direct(qg, k, v, mask, scale=None) -> jax.Array:
     """Full softmax: mask [B, T, S] -> [B, T, kv, g, h]."""
-    scores = jnp.where(mask[:, None, None], attention_scores(qg, k), MASKED)
+    scores = jnp.where(mask[:, None, None], attention_scores(qg, k, scale), MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, scale: float | None = None,
+                     window=None) -> jax.Array:
     """Prefill attention. q [B, T, n_q, h]; k, v [B, T, n_kv, h]; key_valid [B, T] ->
-    [B, T, n_q, h]. Query t attends to valid keys s ≤ t."""
+    [B, T, n_q, h]. Query t attends to valid keys s ≤ t (and t − s < ``window`` when given)."""
     B, T, n_q, h = q.shape
     n_kv = k.shape[2]
     qg = group_queries(q, n_kv)
     slot = jnp.arange(T)
     if T <= PREFILL_BLOCK or T % PREFILL_BLOCK:
-        mask = key_valid[:, None, :] & (slot[None, None, :] <= slot[None, :, None])
-        return _direct(qg, k, v, mask).reshape(B, T, n_q, h)
+        mask = key_valid[:, None, :] & in_window(slot[None, :, None], slot[None, None, :], window)
+        return _direct(qg, k, v, mask, scale).reshape(B, T, n_q, h)
     bs, nb = PREFILL_BLOCK, T // PREFILL_BLOCK
     g = n_q // n_kv
 
@@ -100,12 +131,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
                 v_j = jax.lax.dynamic_slice_in_dim(v, j * bs, bs, axis=1)
                 valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
                 k_slot = j * bs + jnp.arange(bs)
-                mask = valid_j[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
-                scores = jnp.where(mask[:, None, None], attention_scores(q_i, k_j), MASKED)
+                mask = valid_j[:, None, :] & in_window(q_slot[None, :, None], k_slot[None, None, :], window)
+                scores = jnp.where(mask[:, None, None], attention_scores(q_i, k_j, scale), MASKED)
                 return online_softmax_update(carry, scores, v_j)
 
-            # blocks above the diagonal are all masked: skip their work entirely
-            return jax.lax.cond(j <= i, attend, lambda c: c, carry), None
+            # blocks above the diagonal, and those wholly before the window of every query of
+            # block i (their last key j·bs + bs − 1 ≤ i·bs − window), are all masked: skip their work
+            needed = j <= i
+            if window is not None:
+                needed = needed & ((j + 1) * bs - 1 > i * bs - window)
+            return jax.lax.cond(needed, attend, lambda c: c, carry), None
 
         carry, _ = jax.lax.scan(key_block, init_softmax_carry(B, n_kv, g, bs, h), jnp.arange(nb))
         return finish_softmax(carry, v.dtype)
@@ -115,7 +150,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
 
 
 def cached_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, key_valid: jax.Array, write_index: jax.Array
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, key_valid: jax.Array, write_index: jax.Array,
+    scale: float | None = None,
 ) -> jax.Array:
     """Decode attention over a cache. q [B, T, n_q, h] for the tokens just written at slots
     ``write_index .. write_index + T − 1``; k_cache, v_cache [B, S, n_kv, h]; key_valid [B, S]
@@ -135,9 +171,72 @@ def cached_attention(
         valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
         k_slot = j * bs + jnp.arange(bs)
         mask = valid_j[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
-        scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j), MASKED)
+        scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
     n_blocks = (write_index + T + bs - 1) // bs
     carry = jax.lax.fori_loop(0, n_blocks, key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h))
     return finish_softmax(carry, v_cache.dtype).reshape(B, T, n_q, h)
+
+
+# ------------------------------------------------------------------ sliding-window ring buffers
+
+
+def ring_from_prompt(fresh: jax.Array, prompt_slots: int, ring: int) -> jax.Array:
+    """A sliding layer's prompt keys (or values) -> its ring buffer: fresh [B, n, kv, h] holds
+    the last n of ``prompt_slots`` prompt indices (n ≤ prompt_slots: a layer may project only
+    the last window of the prompt); index c lands in slot c mod ``ring`` -> [B, ring, kv, h]."""
+    n = fresh.shape[1]
+    keep = min(n, ring)  # older entries fall out of every later window
+    index = np.arange(prompt_slots - keep, prompt_slots) % ring
+    out = jnp.zeros((fresh.shape[0], ring, *fresh.shape[2:]), fresh.dtype)
+    return out.at[:, index].set(fresh[:, n - keep:])
+
+
+def ring_write(ring: jax.Array, fresh: jax.Array, write_index: jax.Array, axis: int = 1) -> jax.Array:
+    """Writes fresh [B, T, kv, h] (indices write_index ..) into ring [B, R, kv, h] at slots
+    index mod R (``axis``: the slot axis, 2 for a scanned model's [L, B, R, kv, h]). One token
+    (decode): a dynamic_update_slice, in place on a donated cache."""
+    R, T = ring.shape[axis], fresh.shape[axis]
+    if T == 1:
+        return jax.lax.dynamic_update_slice_in_dim(ring, fresh.astype(ring.dtype), write_index % R, axis=axis)
+    keep = min(T, R)
+    slots = (write_index + jnp.arange(T - keep, T)) % R
+    lead = (slice(None),) * axis
+    return ring.at[(*lead, slots)].set(fresh[(*lead, slice(T - keep, T))].astype(ring.dtype))
+
+
+def ring_attention(q, k, v, read_block, ring: int, key_valid, write_index, window, scale=None) -> jax.Array:
+    """Decode attention of a sliding-window layer. q [B, T, n_q, h], k, v [B, T, n_kv, h] for the
+    tokens at indices ``write_index ..`` (not yet in the ring); ``read_block(start, size)`` ->
+    the ring's (k, v) [B, size, n_kv, h] from slot ``start``; key_valid [B, S] over cache
+    indices -> [B, T, n_q, h].
+
+    Slot s holds index ``held = last − ((last − s) mod R)`` (last = write_index − 1; negative: never
+    written). The ring is read block by block up to its written part (``min(write_index, R)``
+    slots), then the fresh keys."""
+    B, T, n_q, h = q.shape
+    n_kv = k.shape[2]
+    qg = group_queries(q, n_kv)
+    bs = min(KV_BLOCK, ring)
+    if ring % bs:
+        raise ValueError(f"ring of {ring} slots is not a multiple of the {bs}-slot block; size it with ring_slots()")
+    last = write_index - 1
+    q_index = write_index + jnp.arange(T)
+
+    def key_block(j, carry):
+        k_j, v_j = read_block(j * bs, bs)
+        held = last - jnp.mod(last - (j * bs + jnp.arange(bs)), ring)  # [bs] cache index in each slot
+        valid = (held >= 0)[None] & jnp.take(key_valid, jnp.maximum(held, 0), axis=1)  # [B, bs]
+        mask = valid[:, None, :] & in_window(q_index[:, None], held[None, :], window)[None]  # [B, T, bs]
+        scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j, scale), MASKED)
+        return online_softmax_update(carry, scores, v_j)
+
+    n_blocks = (jnp.minimum(write_index, ring) + bs - 1) // bs
+    carry = jax.lax.fori_loop(0, n_blocks, key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h))
+    fresh_valid = jax.lax.dynamic_slice_in_dim(key_valid, write_index, T, axis=1)  # [B, T]
+    t = jnp.arange(T)
+    mask = fresh_valid[:, None, :] & in_window(t[:, None], t[None, :], window)[None]  # [B, T, T]
+    scores = jnp.where(mask[:, None, None], attention_scores(qg, k, scale), MASKED)
+    carry = online_softmax_update(carry, scores, v)
+    return finish_softmax(carry, v.dtype).reshape(B, T, n_q, h)

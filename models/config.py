@@ -25,7 +25,17 @@ _ARCH_FLAGS = {
     "qwen2_moe": dict(qkv_bias=True, qk_norm=False),
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False),
+    # Gemma 3 (text): q/k norms, pre- and post-norms around attention and FFN ("sandwich"), GeGLU,
+    # embeddings scaled by √d, sliding-window and global layers (`layer_types`)
+    "gemma3_text": dict(qkv_bias=False, qk_norm=True, sandwich_norms=True, embed_scale=True),
 }
+# The FFN gate activations popjax runs (HF ``hidden_act`` / ``hidden_activation`` names): the
+# gated MLP is act(x W_gᵀ) ⊙ x W_uᵀ; every method reads ``ModelConfig.hidden_act``.
+FFN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# HF names that mean the same function as one of FFN_ACTIVATIONS
+_ACTIVATION_ALIASES = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh"}
+# Attention kinds of HF ``layer_types``: a full (causal) layer, a sliding-window layer
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -80,6 +90,25 @@ class ModelConfig:
     # (weight-only) or "int8" (per-token dynamic int8, an int8 × int8 dot). A run-time choice
     # of `popjax.load`, never stored: a converted store serves both.
     activations: str = "float"
+    # The gate activation of the gated FFN (FFN_ACTIVATIONS): "silu" (SwiGLU: LLaMA, Qwen) or
+    # "gelu_pytorch_tanh" (GeGLU: Gemma).
+    hidden_act: str = "silu"
+    # Per-layer attention kind (LAYER_TYPES), None = every layer full. A "sliding_attention"
+    # layer attends to the last ``sliding_window`` positions (itself included) and keeps a
+    # ring-buffer cache of that many slots (models/attention.py).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    # RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``; default rope,
+    # no scaling); None: they use the global ``rope_theta`` and ``rope_scaling``.
+    rope_local_theta: float | None = None
+    # Gemma: a norm after attention and after the FFN (before each residual add) besides the
+    # pre-norms; embeddings multiplied by √d.
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    # Attention scores are scaled by query_pre_attn_scalar^-½ (Gemma) instead of head_dim^-½.
+    query_pre_attn_scalar: float | None = None
+    # logits = c·tanh(logits / c) when set (Gemma's final_logit_softcapping).
+    final_logit_softcapping: float | None = None
 
     @property
     def q_dim(self) -> int:
@@ -88,6 +117,32 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k: query_pre_attn_scalar^-½, else head_dim^-½."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_type(self, layer: int) -> str:
+        """"full_attention" or "sliding_attention" (LAYER_TYPES) for layer ``layer``."""
+        return "full_attention" if self.layer_types is None else self.layer_types[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (positions it attends to), None for a full layer."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.window(i) is not None)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.window(i) is None)
+
+    def without_windows(self) -> "ModelConfig":
+        """The same model with every layer's cache and attention full (e.g. to size the KV cache
+        a model would need without sliding windows)."""
+        return dataclasses.replace(self, layer_types=None, sliding_window=None, rope_local_theta=None) if self.layer_types else self
 
     def attention_params_per_layer(self) -> int:
         """Parameters of one attention block (q, k, v, o and their biases)."""
@@ -126,6 +181,13 @@ class ModelConfig:
         weights = out.pop("weights")
         if weights != "float":
             out["popjax_weights"] = weights
+        for key, default in _GEMMA_DEFAULTS.items():  # unset: configs (and keys hashed from them) stay as they were
+            if out[key] == default:
+                del out[key]
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        if self.rope_local_theta is not None:
+            out["rope_local_base_freq"] = out.pop("rope_local_theta")
         del out["moe"]  # MoE configs write HF's own fields instead (dense configs are unchanged)
         if self.moe is not None:
             out.update(self.moe.hf_fields(self.model_type, self.num_hidden_layers))
@@ -144,6 +206,13 @@ class ModelConfig:
             flags["qkv_bias"] = True  # some LLaMA derivatives carry q/k/v biases
         if model_type == "llama" and raw.get("mlp_bias"):
             raise ConfigError("mlp_bias=True is not supported (pruning assumes a bias-free gated MLP)")
+        if raw.get("attn_logit_softcapping") is not None:
+            raise ConfigError(
+                f"attn_logit_softcapping={raw['attn_logit_softcapping']!r} is not supported (Gemma 2's attention "
+                "soft-capping); popjax runs Gemma 3, which has none"
+            )
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention=True (an encoder) is not supported: popjax runs causal decoders")
         moe = None
         if model_type in MOE_MODEL_TYPES:
             try:
@@ -173,6 +242,12 @@ class ModelConfig:
                 down_proj_bias=bool(raw.get("down_proj_bias", False)),
                 moe=moe,
                 weights=_weight_format(raw.get("popjax_weights", "float")),
+                hidden_act=_activation(raw, model_type),
+                layer_types=_layer_types(_raw_layer_types(raw), int(raw["num_hidden_layers"])),
+                sliding_window=_sliding_window(raw),
+                rope_local_theta=_local_rope_theta(raw),
+                query_pre_attn_scalar=_float_or_none(raw.get("query_pre_attn_scalar")),
+                final_logit_softcapping=_float_or_none(raw.get("final_logit_softcapping")),
                 **flags,
             )
         except KeyError as err:
@@ -194,6 +269,61 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not valid JSON: {err}") from None
         return cls.from_hf_dict(raw)
+
+
+_GEMMA_DEFAULTS = {
+    "hidden_act": "silu", "layer_types": None, "sliding_window": None, "rope_local_theta": None,
+    "sandwich_norms": False, "embed_scale": False, "query_pre_attn_scalar": None, "final_logit_softcapping": None,
+}
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _activation(raw: Mapping[str, Any], model_type: str) -> str:
+    """``hidden_act`` (or Gemma's ``hidden_activation``) -> one of FFN_ACTIVATIONS."""
+    default = "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+    value = raw.get("hidden_activation") or raw.get("hidden_act") or default
+    act = _ACTIVATION_ALIASES.get(value, value)
+    if act not in FFN_ACTIVATIONS:
+        raise ConfigError(f"hidden_act={value!r} is not an FFN activation popjax runs; supported: {list(FFN_ACTIVATIONS)}")
+    return act
+
+
+def _layer_types(value: Any, n_layers: int) -> tuple[str, ...] | None:
+    """``layer_types``: None, or one of LAYER_TYPES per layer (None when every layer is full)."""
+    if value is None:
+        return None
+    kinds = tuple(value) if isinstance(value, (list, tuple)) else None
+    if kinds is None or len(kinds) != n_layers:
+        raise ConfigError(
+            f"layer_types={value!r} is invalid: give one entry per layer ({n_layers} layers), each one of {list(LAYER_TYPES)}"
+        )
+    unknown = sorted({str(k) for k in kinds if k not in LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"layer_types holds {unknown}, not attention kinds popjax runs; each entry is one of {list(LAYER_TYPES)}")
+    return None if set(kinds) == {"full_attention"} else kinds
+
+
+def _raw_layer_types(raw: Mapping[str, Any]) -> Any:
+    """``layer_types``, or for a Gemma 3 config that predates it, the pattern HF derives from
+    ``sliding_window_pattern`` (every n-th layer full, the others sliding)."""
+    if raw.get("layer_types") is not None or raw.get("model_type") != "gemma3_text":
+        return raw.get("layer_types")
+    n, period = int(raw["num_hidden_layers"]), int(raw.get("sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+
+
+def _sliding_window(raw: Mapping[str, Any]) -> int | None:
+    """``sliding_window`` (an int ≥ 1) when some layer slides, else None (the field is then unused)."""
+    kinds = _raw_layer_types(raw)
+    if not (isinstance(kinds, (list, tuple)) and "sliding_attention" in kinds):
+        return None
+    value = raw.get("sliding_window")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"sliding_window={value!r} is invalid: sliding-window layers need a window of at least 1 position")
+    return value
 
 
 def _weight_format(value: Any) -> str:
@@ -222,14 +352,31 @@ def _layer_widths(value: Any, n_layers: int) -> tuple[int, ...] | None:
     return widths
 
 
+def _rope_block(raw: Mapping[str, Any], kind: str = "full_attention") -> Mapping[str, Any]:
+    """The rope block of layers of ``kind``: `rope_scaling` (transformers 4.x) or
+    `rope_parameters` (5.x), which may hold one block per layer type (Gemma 3)."""
+    block = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if any(k in block for k in LAYER_TYPES):
+        block = block.get(kind) or {}
+    return block
+
+
 def _rope_theta(raw: Mapping[str, Any]) -> float:
-    params = raw.get("rope_parameters") or {}
-    return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+    return raw.get("rope_theta") or _rope_block(raw).get("rope_theta") or 10000.0
+
+
+def _local_rope_theta(raw: Mapping[str, Any]) -> float | None:
+    """The sliding layers' RoPE base: Gemma 3's `rope_local_base_freq` (4.x) or the
+    "sliding_attention" block of `rope_parameters` (5.x)."""
+    value = raw.get("rope_local_base_freq")
+    if value is None and raw.get("model_type") == "gemma3_text":
+        value = _rope_block(raw, "sliding_attention").get("rope_theta", 10000.0)
+    return _float_or_none(value)
 
 
 def _rope_scaling(raw: Mapping[str, Any]) -> RopeScaling:
     """Reads `rope_scaling` (transformers 4.x) or `rope_parameters` (5.x)."""
-    block = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    block = _rope_block(raw)
     rope_type = block.get("rope_type") or block.get("type") or "default"
     allowed = {f.name for f in dataclasses.fields(RopeScaling)}
     kwargs = {k: block[k] for k in allowed if k in block and k != "rope_type"}

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .attention import ring_from_prompt, ring_slots
 from .layers import Attention, KVCache, MLPWeights, RMSNorm, TokenEmbeddings
 from .moe import MoEWeights, moe_mlp
 from .quant import dot
-from .rope import check_rope_type, rope_cos_sin
+from .rope import check_rope_type, layer_rope
 
 MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
 LAYER_MODES = ("full", "kv", "none")
@@ -45,20 +46,30 @@ class LayerSchedule:
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, index: int = 0):
+        self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.sandwich_norms:  # Gemma: norms on the attention and FFN outputs, before each residual add
+            self.attn_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.mlp_post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # a MoE model's FFN is a stack of expert blocks (models/moe.py), each run by mlp_fn
         self.mlp = MoEWeights(cfg, dtype, index) if cfg.moe is not None else MLPWeights(cfg, dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0):
-        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux).
+    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0,
+                 window: Any = "layer"):
+        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux). cos/sin [B, T, h] are the angles of
+        this layer's kind (`rope.rope_cos_sin(cfg, positions, cfg.layer_type(index))`).
 
         ``gate`` [B, T] (optional) scales both residual branches, ``x + g·Attn(x)`` and
         ``y + g·FFN(y)`` (a virtual layer gate: its gradient measures the layer's importance). ``index`` (the layer's
         position) reaches the MLP function as ``weights["layer"]``, so methods with per-layer
-        calibrated constants can index them."""
-        attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index)
+        calibrated constants can index them. ``window``: the sliding window, by default the one
+        ``cfg`` gives layer ``index`` (a scanned model, whose index is traced, passes its own)."""
+        window = self.cfg.window(index) if isinstance(window, str) else window
+        attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index, window)
+        if self.cfg.sandwich_norms:
+            attn_out = self.attn_post_norm(attn_out)
         if gate is not None:
             attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
@@ -76,6 +87,8 @@ class DecoderLayer(nnx.Module):
         else:
             weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
             y, mlp_state, aux = mlp_fn(weights, mlp_state, h)
+        if self.cfg.sandwich_norms:
+            y = self.mlp_post_norm(y.astype(x.dtype))
         return y.astype(x.dtype), mlp_state, aux
 
 
@@ -100,9 +113,25 @@ class Transformer(nnx.Module, TokenEmbeddings):
         return tuple(fn(*entries) for entries in zip(*per_layer))
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """h [B, T, d] -> fp32 logits [B, T, V]."""
+        """h [B, T, d] -> fp32 logits [B, T, V] (soft-capped, c·tanh(z / c), when the config says)."""
         h = self.final_norm(h)
-        return dot("btd,vd->btv", h, self.lm_head_weight(), preferred_element_type=jnp.float32)  # head [V, d]
+        logits = dot("btd,vd->btv", h, self.lm_head_weight(), preferred_element_type=jnp.float32)  # head [V, d]
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+    def init_caches(self, prompt: Sequence[KVCache], prompt_slots: int, slots: int) -> tuple[KVCache, ...]:
+        """The decode caches from a prefill's fresh keys/values (``prompt[i]`` [B, n ≤ T, n_kv, h]:
+        the last n of the ``prompt_slots`` prompt indices): a full layer's cache has ``slots``
+        slots with the prompt at 0..T−1; a sliding layer's is a ring of `ring_slots` slots."""
+        out = []
+        for i, cache in enumerate(prompt):
+            window = self.cfg.window(i)
+            if window is None:
+                grow = lambda a: jnp.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype).at[:, : a.shape[1]].set(a)
+            else:
+                grow = lambda a: ring_from_prompt(a, prompt_slots, ring_slots(window, slots))
+            out.append(KVCache(grow(cache.k), grow(cache.v)))
+        return tuple(out)
 
     def __call__(
         self,
@@ -135,14 +164,15 @@ class Transformer(nnx.Module, TokenEmbeddings):
         rows: (w [n_kv, 2, h, d], bias [n_kv, 2, h] or None), in qkv's grouped layout.
         """
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(self.cfg, positions)
+        rope = layer_rope(self.cfg, positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
+            cos, sin = rope[self.cfg.layer_type(i)]
             mode = "full" if schedule is None else schedule.modes[i]
             if mode != "full":
                 override = None if kv_weights is None else kv_weights.get(i)
-                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override))
+                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override, self.cfg.window(i)))
                 new_states.append(None)
                 auxes.append({})
                 continue
@@ -162,9 +192,13 @@ class Transformer(nnx.Module, TokenEmbeddings):
         return self.logits(x), tuple(new_caches), tuple(new_states), auxes
 
 
-def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, override=None) -> KVCache:
-    """The cache entries [B, T, n_kv, h] of a layer that passes x through (see Transformer):
-    "kv" projects them from x with the layer's own k/v rows or with ``override`` (w, bias)."""
+def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, override=None, window=None) -> KVCache:
+    """The cache entries [B, n, n_kv, h] of a layer that passes x through (see Transformer):
+    "kv" projects them from x with the layer's own k/v rows or with ``override`` (w, bias).
+    A sliding layer projects only the last ``window`` tokens (n = min(T, window)): no later
+    query reaches an older one (`Transformer.init_caches` places the last n)."""
+    if window is not None and x.shape[1] > window:
+        x, cos, sin = x[:, -window:], cos[:, -window:], sin[:, -window:]
     if mode == "kv":
         if override is None:
             return layer.attn.project_kv(layer.attn_norm(x), cos, sin)

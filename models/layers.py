@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .attention import cached_attention, causal_attention
+from .attention import cached_attention, causal_attention, ring_attention, ring_write
 from .quant import Int8Weight, dequantized, dot
 from .rope import apply_rope
 
@@ -76,19 +76,25 @@ class TokenEmbeddings(LinearWeights):
             self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] -> x [B, T, d] in the compute dtype."""
+        """tokens [B, T] -> x [B, T, d] in the compute dtype (times √d in a Gemma model, the
+        factor rounded to the compute dtype as transformers does)."""
         table = self.weight("embed")
         if isinstance(table, Int8Weight):
-            rows = table.values[tokens].astype(jnp.float32) * table.scale[tokens]
-            return rows.astype(table.dtype)
-        return table[tokens]
+            rows = (table.values[tokens].astype(jnp.float32) * table.scale[tokens]).astype(table.dtype)
+        else:
+            rows = table[tokens]
+        if self.cfg.embed_scale:
+            rows = rows * jnp.asarray(self.cfg.hidden_size**0.5, rows.dtype)
+        return rows
 
     def lm_head_weight(self) -> jax.Array | Int8Weight:
         return self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head")
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm as in transformers: normalise in fp32, cast back, then scale."""
+    """RMSNorm as in transformers: normalise in fp32, cast back, then scale. ``weight`` is the
+    multiplier itself: Gemma's (1 + w) convention is folded in when a checkpoint is converted
+    (convert/names.py)."""
 
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -136,6 +142,7 @@ class Attention(nnx.Module, LinearWeights):
         d = cfg.hidden_size
         self.cfg = cfg
         n_kv, h = cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.attention_scale  # on q·k: head_dim^-½, or Gemma's query_pre_attn_scalar^-½
         parts = cfg.num_attention_heads // n_kv + 2  # a KV group's query heads, its key, its value
         self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights, cfg.activations)
         self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights, cfg.activations)
@@ -188,26 +195,39 @@ class Attention(nnx.Module, LinearWeights):
         key_valid: jax.Array,
         cache: KVCache | None,
         write_index: jax.Array | int,
+        window: int | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, S] (S = cache slots, or T without cache).
+        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, S] (S = cache slots, or T without cache);
+        ``window``: the layer's sliding window (None: full attention).
 
-        Without a cache (prefill/forward) the T fresh keys are attended causally and returned as
-        the new cache entries. With a cache, the fresh keys are written at ``write_index`` and the
-        queries attend to every valid slot up to their own, reading only written blocks.
+        Without a cache (prefill/forward) the T fresh keys are attended causally (within the
+        window) and returned as the new cache entries. With a cache, the fresh keys are written
+        at ``write_index`` and the queries attend to every valid slot up to their own, reading
+        only written blocks; a sliding layer's cache is a ring buffer [B, R, n_kv, h]
+        (models/attention.py ``ring_attention``).
         """
         cfg = self.cfg
-        q, k, v = self._project(x)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         if cache is None:
-            out, new_cache = causal_attention(q, k, v, key_valid), KVCache(k, v)
-        else:
+            out, new_cache = causal_attention(q, k, v, key_valid, self.scale, window), KVCache(k, v)
+        elif window is None:
             keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k, write_index, axis=1)
             values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, write_index, axis=1)
             new_cache = KVCache(keys, values)
-            out = cached_attention(q, keys, values, key_valid, write_index)
+            out = cached_attention(q, keys, values, key_valid, write_index, self.scale)
+        else:
+            read = lambda start, size: (jax.lax.dynamic_slice_in_dim(cache.k, start, size, axis=1),
+                                        jax.lax.dynamic_slice_in_dim(cache.v, start, size, axis=1))
+            out = ring_attention(q, k, v, read, cache.k.shape[1], key_valid, write_index, window, self.scale)
+            new_cache = KVCache(ring_write(cache.k, k, write_index), ring_write(cache.v, v, write_index))
         return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.weight("o")), new_cache
+
+    def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]: projected, q/k-normed, RoPE'd."""
+        q, k, v = self._project(x)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def _grouped_linear(x: jax.Array, w: jax.Array | Int8Weight, bias: jax.Array | None) -> jax.Array:
@@ -227,6 +247,7 @@ class MLPWeights(nnx.Module, LinearWeights):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
+        self.act = cfg.hidden_act  # the gate activation's name, static (popjax.ffn.gate_activation)
         self._linear_param("gate_up", (2, f, d), dtype, cfg.weights, cfg.activations)  # [gate; up] on a leading axis
         self._linear_param("down", (d, f), dtype, cfg.weights, cfg.activations)
         if cfg.down_proj_bias:  # a structurally pruned checkpoint's bias (popjax.pruned)
@@ -240,8 +261,9 @@ class MLPWeights(nnx.Module, LinearWeights):
 
     def as_dict(self) -> dict[str, jax.Array]:
         """gate_up [2, f, d]; down [d, f] (arrays, or `Int8Weight`s in an int8 model); down_norm
-        [f] fp32; down_bias [d] when the model has one."""
-        out = {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...]}
+        [f] fp32; act (the gate activation's name, a static str); down_bias [d] when the model has one."""
+        out = {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...],
+               "act": self.act}
         if hasattr(self, "down_bias"):
             out["down_bias"] = self.down_bias[...]
         return out

@@ -77,14 +77,33 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return _ROPE_REGISTRY[cfg.rope_scaling.rope_type](cfg)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions [B, T] int -> cos, sin [B, T, h] fp32 (half-split: the angles repeated twice)."""
-    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+@functools.lru_cache(maxsize=None)
+def local_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[h/2] float32 inverse frequencies of the sliding-window layers: the default rope with
+    base ``rope_local_theta`` (Gemma 3's local base), or the global ones when it is unset."""
+    if cfg.rope_local_theta is None:
+        return inverse_frequencies(cfg)
+    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(cfg.head_dim)
+    return (np.float32(1.0) / (np.float32(cfg.rope_local_theta) ** exponents)).astype(np.float32)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, layer_type: str = "full_attention") -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] int -> cos, sin [B, T, h] fp32 (half-split: the angles repeated twice)
+    for layers of ``layer_type`` (``ModelConfig.layer_type(i)``: sliding layers may have their
+    own base)."""
+    freqs = local_inverse_frequencies(cfg) if layer_type == "sliding_attention" else inverse_frequencies(cfg)
+    inv_freq = jnp.asarray(freqs)
     angles = jnp.einsum(
         "bt,k->btk", positions.astype(jnp.float32), inv_freq, precision=jax.lax.Precision.HIGHEST
     )
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_rope(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """cos, sin [B, T, h] for each attention kind the model has ({layer type: (cos, sin)})."""
+    kinds = sorted({cfg.layer_type(i) for i in range(cfg.num_hidden_layers)})
+    return {kind: rope_cos_sin(cfg, positions, kind) for kind in kinds}
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

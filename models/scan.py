@@ -17,7 +17,11 @@ the same math as ``Transformer`` (same embedding, final norm, LM head and layer 
   The cache is thus updated in place, never copied per step (``_write_slots`` says why the
   write is not inside the scan);
 * the layer index reaches the method as ``weights["layer"]``, a traced int32: methods that pick
-  per-layer calibrated constants by it work unchanged.
+  per-layer calibrated constants by it work unchanged;
+* mixed layer types (Gemma 3: sliding-window and full layers): the caches are `KindCaches`, one
+  stack per kind — full layers [L_f, B, S, ...], sliding layers' ring buffers [L_s, B, R, ...] —
+  and each layer reads its own with a ``lax.cond`` on its kind (its position in its kind's stack
+  and its window are scanned over with the parameters); its rotary angles are its kind's.
 
 Scope: identical layers. Per-layer FFN widths (structurally pruned checkpoints), MoE models mixing
 dense and expert layers, layers with extra parameters, per-layer schedules (layers that skip or
@@ -37,11 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import KV_BLOCK, MASKED, finish_softmax, group_queries, init_softmax_carry, online_softmax_update, attention_scores
+from typing import NamedTuple
+
+from .attention import (KV_BLOCK, MASKED, NO_WINDOW, attention_scores, finish_softmax, group_queries, init_softmax_carry,
+                        online_softmax_update, ring_attention, ring_from_prompt, ring_slots, ring_write)
 from .config import ModelConfig
 from .decoder import DecoderLayer, MLPFn, Transformer
-from .layers import Attention, KVCache, RMSNorm, TokenEmbeddings, linear
-from .rope import apply_rope, check_rope_type, rope_cos_sin
+from .layers import KVCache, RMSNorm, TokenEmbeddings, linear
+from .rope import check_rope_type, layer_rope
 
 UNROLLED = "use the unrolled model (popjax.load(..., scan_layers=False), models.Transformer)"
 
@@ -59,6 +66,33 @@ def check_scannable(cfg: ModelConfig) -> None:
             f"moe.sparse_layers={list(moe.sparse_layers)} of {cfg.num_hidden_layers} layers: a scanned model needs "
             f"every layer alike, but this MoE model mixes dense and expert layers; {UNROLLED}"
         )
+
+
+class KindCaches(NamedTuple):
+    """A scanned model's caches when it has sliding-window layers: the full layers' k, v
+    [L_f, B, S, n_kv, h] and the sliding layers' rings [L_s, B, R, n_kv, h] (in layer order)."""
+
+    full: KVCache
+    sliding: KVCache
+
+
+class _Kinds(NamedTuple):
+    """Per-layer scan inputs of a model with sliding layers (static: numpy)."""
+
+    sliding: np.ndarray  # [L] bool
+    ordinal: np.ndarray  # [L] int32: the layer's position in its kind's cache stack
+    window: np.ndarray  # [L] int32: its window (NO_WINDOW for a full layer)
+
+
+def _kinds(cfg: ModelConfig) -> _Kinds | None:
+    if not cfg.sliding_layers:
+        return None
+    sliding = np.array([cfg.window(i) is not None for i in range(cfg.num_hidden_layers)])
+    ordinal = np.zeros(cfg.num_hidden_layers, np.int32)
+    ordinal[sliding] = np.arange(sliding.sum())
+    ordinal[~sliding] = np.arange((~sliding).sum())
+    window = np.array([cfg.window(i) or NO_WINDOW for i in range(cfg.num_hidden_layers)], np.int32)
+    return _Kinds(sliding, ordinal, window)
 
 
 def _stack_template(cfg: ModelConfig, dtype: jnp.dtype) -> DecoderLayer:
@@ -95,6 +129,20 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
 
         nnx.update(self.layer_stack, jax.vmap(one)(state))
 
+    def init_caches(self, prompt: KVCache, prompt_slots: int, slots: int) -> KVCache | KindCaches:
+        """The decode caches from the prefill's stacked fresh keys/values k, v [L, B, T, n_kv, h]:
+        one stack [L, B, S, ...] (the prompt at slots 0..T−1), or with sliding layers
+        `KindCaches` (their rings of `ring_slots` slots)."""
+        grow = lambda a: jnp.zeros((*a.shape[:2], slots, *a.shape[3:]), a.dtype).at[:, :, :prompt_slots].set(a)
+        cfg = self.cfg
+        if not cfg.sliding_layers:
+            return KVCache(grow(prompt.k), grow(prompt.v))
+        full, sliding = np.array(cfg.full_layers, np.int32), np.array(cfg.sliding_layers, np.int32)
+        ring = ring_slots(cfg.sliding_window, slots)
+        to_ring = jax.vmap(lambda a: ring_from_prompt(a, prompt_slots, ring))
+        return KindCaches(KVCache(grow(prompt.k[full]), grow(prompt.v[full])),
+                          KVCache(to_ring(prompt.k[sliding]), to_ring(prompt.v[sliding])))
+
     def map_layers(self, fn: Callable, *stacked: Any) -> Any:
         """fn on each layer's entry of trees stacked over layers (the engine's caches and method
         states) -> the results stacked again (``jax.vmap`` over the [L] axis)."""
@@ -129,35 +177,47 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
         _check_uniform(gates, schedule, kv_weights)
         if isinstance(mlp_states, (list, tuple)) and all(s is None for s in mlp_states):
             mlp_states = None  # the unrolled model's "no state for any layer"
+        cfg = self.cfg
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(self.cfg, positions)
+        rope = layer_rope(cfg, positions)
+        kinds = _kinds(cfg)
         graphdef, params = nnx.split(self.layer_stack)
-        xs = (jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32), params, mlp_states)
+        per_layer = None if kinds is None else jax.tree_util.tree_map(jnp.asarray, kinds)
+        xs = (jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32), params, mlp_states, per_layer)
+
+        def angles(kind):  # this layer's rotary angles (a sliding layer may have its own base)
+            if kind is None or len(rope) == 1:
+                return next(iter(rope.values()))
+            pick = lambda a, b: jnp.where(kind.sliding, a, b)
+            (cs, ss), (cf, sf) = rope["sliding_attention"], rope["full_attention"]
+            return pick(cs, cf), pick(ss, sf)
 
         if caches is None:  # prefill: each layer's fresh keys/values leave the scan as outputs
 
             def prefill_layer(x, layer_xs):
-                index, layer_params, state = layer_xs
+                index, layer_params, state, kind = layer_xs
                 layer = nnx.merge(graphdef, layer_params)
-                x, cache, state, aux = layer(x, cos, sin, key_valid, None, 0, fn, state, None, index)
+                cos, sin = angles(kind)
+                window = None if kind is None else kind.window
+                x, cache, state, aux = layer(x, cos, sin, key_valid, None, 0, fn, state, None, index, window=window)
                 return x, (cache, state, aux)
 
             x, (caches, states, aux) = jax.lax.scan(prefill_layer, x, xs)
-        else:  # decode: layers read the stacked cache; their new slots are written after the scan
-            cache = KVCache(*caches)
+        else:  # decode: layers read the stacked cache(s); their new slots are written after the scan
 
             def decode_layer(x, layer_xs):
-                index, layer_params, state = layer_xs
+                index, layer_params, state, kind = layer_xs
                 layer = nnx.merge(graphdef, layer_params)
+                cos, sin = angles(kind)
                 attn_out, fresh = _stacked_cache_attention(
-                    layer.attn, layer.attn_norm(x), cos, sin, key_valid, cache, index, write_index
+                    layer, layer.attn_norm(x), cos, sin, key_valid, caches, index, write_index, kind
                 )
                 x = x + attn_out
                 y, state, aux = layer.feed_forward(x, fn, state, index)
                 return x + y, (fresh, state, aux)
 
             x, (fresh, states, aux) = jax.lax.scan(decode_layer, x, xs)
-            caches = _write_slots(cache, fresh, write_index)
+            caches = _write_slots(cfg, caches, fresh, write_index)
         if last_only:
             x = x[:, -1:]
         return self.logits(x), caches, states, aux
@@ -191,31 +251,62 @@ def _check_uniform(gates, schedule, kv_weights) -> None:
         )
 
 
-def _stacked_cache_attention(attn: Attention, x, cos, sin, key_valid, cache: KVCache, layer, write_index):
-    """``Attention.__call__``'s cached path for layer ``layer`` of a stacked cache (read only):
-    x [B, T, d] -> (out [B, T, d], this layer's fresh KVCache [B, T, n_kv, h] for ``_write_slots``)."""
-    cfg = attn.cfg
-    q, k, v = attn._project(x)
-    if cfg.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-    out = _layer_cached_attention(q, k, v, cache, layer, key_valid, write_index)
-    return linear(out.reshape(*x.shape[:2], cfg.q_dim), attn.weight("o")), KVCache(k, v)
+def _stacked_cache_attention(layer: DecoderLayer, x, cos, sin, key_valid, caches, index, write_index, kind):
+    """``Attention.__call__``'s cached path for layer ``index`` of stacked caches (read only):
+    x [B, T, d] -> (out [B, T, d] after the layer's post-attention norm, if any; this layer's
+    fresh KVCache [B, T, n_kv, h] for ``_write_slots``). With layer kinds (``kind``), a
+    ``lax.cond`` reads the layer's own stack: the full layers' cache or the sliding layers' rings."""
+    attn = layer.attn
+    q, k, v = attn.rotated_qkv(x, cos, sin)
+    dtype = (caches.k if isinstance(caches, KVCache) else caches.sliding.k).dtype
+    k, v = k.astype(dtype), v.astype(dtype)
+    if kind is None:
+        out = _layer_cached_attention(q, k, v, caches, index, key_valid, write_index, attn.scale)
+    else:
+        full = lambda: _layer_cached_attention(q, k, v, caches.full, kind.ordinal, key_valid, write_index, attn.scale)
+        ring = lambda: _layer_ring_attention(q, k, v, caches.sliding, kind, key_valid, write_index, attn.scale)
+        out = jax.lax.cond(kind.sliding, ring, full) if layer.cfg.full_layers else ring()
+    out = linear(out.reshape(*x.shape[:2], attn.cfg.q_dim), attn.weight("o"))
+    if layer.cfg.sandwich_norms:
+        out = layer.attn_post_norm(out)
+    return out, KVCache(k, v)
 
 
-def _write_slots(cache: KVCache, fresh: KVCache, write_index) -> KVCache:
+def _layer_ring_attention(q, k, v, rings: KVCache, kind, key_valid, write_index, scale) -> jax.Array:
+    """`models.attention.ring_attention` for the sliding layer at ``kind.ordinal`` of stacked rings
+    k, v [L_s, B, R, n_kv, h], read block by block straight from the stack."""
+    B, R = rings.k.shape[1], rings.k.shape[2]
+    zero = jnp.int32(0)
+
+    def read(start, size):
+        at = (kind.ordinal, zero, jnp.asarray(start, jnp.int32), zero, zero)
+        shape = (1, B, size, *rings.k.shape[3:])
+        return jax.lax.dynamic_slice(rings.k, at, shape)[0], jax.lax.dynamic_slice(rings.v, at, shape)[0]
+
+    return ring_attention(q, k, v, read, R, key_valid, write_index, kind.window, scale)
+
+
+def _write_slots(cfg: ModelConfig, caches, fresh: KVCache, write_index):
     """Writes every layer's fresh keys/values k, v [L, B, T, n_kv, h] into the stacked cache at
     slot ``write_index`` with one ``dynamic_update_slice`` per array (in place on a donated
-    cache). Writing inside the scan, into a cache the same layer reads, made XLA copy the whole
-    stacked cache in every layer of every step (seen in the compiled HLO); read-only inside the
-    scan and written once after it, the cache is never copied."""
+    cache); with layer kinds, the full layers' rows at ``write_index`` and the sliding layers'
+    into their rings at ``write_index mod R``. Writing inside the scan, into a cache the same
+    layer reads, made XLA copy the whole stacked cache in every layer of every step (seen in the
+    compiled HLO); read-only inside the scan and written once after it, the cache is never copied."""
     zero = jnp.int32(0)
     at = (zero, zero, jnp.asarray(write_index, jnp.int32), zero, zero)
-    return KVCache(jax.lax.dynamic_update_slice(cache.k, fresh.k, at), jax.lax.dynamic_update_slice(cache.v, fresh.v, at))
+    write = lambda c, f: KVCache(jax.lax.dynamic_update_slice(c.k, f.k, at), jax.lax.dynamic_update_slice(c.v, f.v, at))
+    if isinstance(caches, KVCache):
+        return write(caches, fresh)
+    rows = lambda idx: KVCache(fresh.k[np.array(idx, np.int32)], fresh.v[np.array(idx, np.int32)])
+    full = write(caches.full, rows(cfg.full_layers)) if cfg.full_layers else caches.full
+    sliding = rows(cfg.sliding_layers)
+    rings = KVCache(ring_write(caches.sliding.k, sliding.k, write_index, axis=2),
+                    ring_write(caches.sliding.v, sliding.v, write_index, axis=2))
+    return KindCaches(full, rings)
 
 
-def _layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_index) -> jax.Array:
+def _layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_index, scale=None) -> jax.Array:
     """``models.attention.cached_attention`` for layer ``layer`` of a stacked cache k, v
     [L, B, S, n_kv, h]: q, k, v [B, T, ·, h] of the T tokens at slots ``write_index ..`` ->
     [B, T, n_q, h]. The earlier slots are read block by block straight from the stacked buffer,
@@ -236,7 +327,7 @@ def _layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_ind
         v_j = jax.lax.dynamic_slice(cache.v, at, (1, B, bs, n_kv, h))[0]
         valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
         mask = valid_j & (j * bs + jnp.arange(bs) < write_index)[None]  # [B, bs]: earlier slots only
-        scores = jnp.where(mask[:, None, None, None], attention_scores(qg, k_j), MASKED)
+        scores = jnp.where(mask[:, None, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
     n_blocks = (write_index + bs - 1) // bs
@@ -244,7 +335,7 @@ def _layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_ind
     fresh_valid = jax.lax.dynamic_slice_in_dim(key_valid, write_index, T, axis=1)  # [B, T]
     causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T query, T key]
     mask = fresh_valid[:, None, :] & causal[None]  # [B, T, T]
-    scores = jnp.where(mask[:, None, None], attention_scores(qg, k), MASKED)
+    scores = jnp.where(mask[:, None, None], attention_scores(qg, k, scale), MASKED)
     carry = online_softmax_update(carry, scores, v)
     return finish_softmax(carry, cache.v.dtype).reshape(B, T, n_q, h)
 

@@ -53,7 +53,7 @@ import numpy as np
 from . import engine
 from .data import DEV_PLAY, HELD_OUT_PLAY, load_play, load_text_file, play_names
 from .cache import cache_root, entry_key, get_or_make
-from .ffn import Plan, activations, down_proj
+from .ffn import Plan, activations, down_proj, gate_activation
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class CollectorPlan(Plan):
     statistic: Statistic | None = None
 
     def prefill(self, w, x, valid):
-        h = activations(w["gate_up"], x)
+        h = activations(w["gate_up"], x, gate_activation(w))
         return self.statistic.output(w, x, valid, h), None, self.statistic.collect(w, x, valid, h)
 
 

@@ -7,8 +7,9 @@
 * Shapes are bucketed so compiles are few: batch (``BATCH_BUCKETS``, padded with dead rows),
   prompt length (``PROMPT_BUCKETS``, left padding, positions ``cumsum(mask) − 1``) and capacity
   (``CAPACITY_BUCKETS``). Compiled programs exist per (batch, prompt, capacity bucket, plan).
-* Prefill allocates the cache at its full size (prompt bucket + capacity) inside the same
-  program and writes the prompt's keys/values into it: no copy after prefill. The decode loop
+* Prefill allocates the cache at its full size (prompt bucket + capacity; a sliding-window
+  layer's ring of its window, ``model.init_caches``) inside the same program and writes the
+  prompt's keys/values into it: no copy after prefill. The decode loop
   and the streaming step donate the state they consume.
 * Decode attention reads the cache only up to the last written slot (``models.attention``), so
   capacity costs memory, not time.
@@ -35,6 +36,7 @@ from .ffn import Plan
 from .models.attention import cache_slots
 from .models.decoder import LayerSchedule
 from .models.layers import KVCache
+from .models.scan import KindCaches
 from .sampling import SamplingParams, sample
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -104,7 +106,7 @@ def _pad_like(tree: Any, like: Any) -> Any:
 def stacked_method_states(state: "DecodeState") -> Any:
     """The method states stacked over layers ({} for a stateless plan): an unrolled model's
     tuple of L states is stacked; a scanned model's (its caches are one stacked KVCache) are."""
-    if isinstance(state.caches, KVCache):  # no leaves (a stateless plan): {} as stack_aux gives
+    if isinstance(state.caches, (KVCache, KindCaches)):  # no leaves (a stateless plan): {} as stack_aux gives
         return state.method_states if jax.tree_util.tree_leaves(state.method_states) else {}
     return {} if state.method_states[0] is None else stack_aux(list(state.method_states))  # MoE: layer kinds differ
 
@@ -118,7 +120,9 @@ class DecodeState(NamedTuple):
     key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
     prefix_end: jax.Array  # [] int32: first slot not written by prefill (see models.decoder.LayerSchedule.prefix_masked)
-    caches: tuple[KVCache, ...] | KVCache  # L × k, v [B, S, n_kv, h]; scanned model: k, v [L, B, S, n_kv, h]
+    # L × k, v [B, S, n_kv, h] (a sliding layer: its ring [B, R, n_kv, h]); scanned model: k, v
+    # [L, B, S, n_kv, h], or with sliding layers models.scan.KindCaches (one stack per kind)
+    caches: tuple[KVCache, ...] | KVCache | KindCaches
     method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 
 
@@ -159,7 +163,8 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         kv_weights=data.get("kv_weights") if data is not None and plan.requires_data else None,
     )
     S = cache_slots(T, capacity)
-    grow = lambda a: jnp.zeros((B, S, *a.shape[2:]), a.dtype).at[:, :T].set(a)
+    # the model lays out its decode caches (a sliding-window layer keeps a ring of its window)
+    caches = model.init_caches(caches, T, S)
     state = DecodeState(
         position=jnp.sum(mask, axis=1).astype(jnp.int32) - int(boundary),
         index=jnp.int32(T - int(boundary)),
@@ -168,7 +173,8 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
         live=jnp.any(mask.astype(bool), axis=1),
         prefix_end=jnp.int32(T - int(boundary)),
         # sharding hints (batch over "data", KV heads over "model"); no-ops without a mesh
-        caches=model.map_layers(lambda c: KVCache(*sharding.constrain_cache(grow(c.k), grow(c.v))), caches),
+        caches=jax.tree_util.tree_map(lambda c: KVCache(*sharding.constrain_cache(c.k, c.v)), caches,
+                                      is_leaf=lambda c: isinstance(c, KVCache)),
         method_states=model.map_layers(lambda s: sharding.constrain_method_state(plan, s), states),
     )
     if not boundary:

@@ -16,15 +16,18 @@ imports this module and never a method; the methods implement it (docs/architect
 bucket or of sequences that have already stopped; no statistic may include an invalid entry.
 ``step`` is the int32 index of the decode-path call (0 for the first token fed after prefill).
 ``w`` holds ``gate_up [2, f, d]`` (gate and up stacked), ``down [d, f]`` (HF layout),
-``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model) and ``layer`` (the layer index, an
-int32 scalar, for per-layer calibrated constants). ``aux`` is introspection data; the engine
+``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model), ``layer`` (the layer index, an
+int32 scalar, for per-layer calibrated constants) and ``act`` (the model's gate activation, a
+name in ``models.config.FFN_ACTIVATIONS``: a static string, read through `gate_activation`).
+Every method computes H = act(x W_gᵀ) ⊙ x W_uᵀ with it (SwiGLU for LLaMA/Qwen, GeGLU for
+Gemma); none branches on the architecture. ``aux`` is introspection data; the engine
 drops it unless asked, and XLA then removes its computation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Callable, ClassVar, Mapping
 
 import jax
 
@@ -103,10 +106,25 @@ def gate_and_up(gate_up: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]
     return gu[..., :n], gu[..., n:]
 
 
-def activations(gate_up: jax.Array, x: jax.Array) -> jax.Array:
-    """H = silu(x W_gᵀ) ⊙ (x W_uᵀ): x [..., d], gate_up [2, n, d] -> [..., n]."""
+# models.config.FFN_ACTIVATIONS -> the function. Both map 0 to 0, so a zero-padded channel
+# contributes exactly 0 (act(0)·0 = 0) under either.
+_GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda g: jax.nn.gelu(g, approximate=True),
+}
+
+
+def gate_activation(w: Mapping) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation of the layer whose FFN weights are ``w`` (``w["act"]``; SiLU when a
+    caller's hand-built ``w`` has none)."""
+    return _GATE_ACTIVATIONS[w.get("act", "silu")]
+
+
+def activations(gate_up: jax.Array, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:
+    """H = act(x W_gᵀ) ⊙ (x W_uᵀ): x [..., d], gate_up [2, n, d] -> [..., n]; ``act`` is
+    `gate_activation(w)` of the layer (SiLU by default)."""
     gate, up = gate_and_up(gate_up, x)
-    return jax.nn.silu(gate) * up
+    return act(gate) * up
 
 
 def down_proj(h: jax.Array, down: jax.Array) -> jax.Array:

@@ -66,7 +66,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"lm_head", ("vocab", "embed")),
     (r"(embed|lm_head)_scale", ("vocab", None)),  # an int8 model's per-token-row scales
     (r"final_norm\.weight", ("norm",)),
-    (r"layers\.\d+\.(attn_norm|mlp_norm)\.weight", ("norm",)),
+    (r"layers\.\d+\.(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.weight", ("norm",)),
     (r"layers\.\d+\.attn\.qkv", ("kv_heads", "qkv_part", "head_dim", "embed")),
     (r"layers\.\d+\.attn\.qkv_bias", ("kv_heads", "qkv_part", "head_dim")),
     # an int8 model's per-output-channel scales (models/quant.py): the weight's axes, 1 on its input axis
@@ -271,8 +271,10 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
 
 
 def constrain_cache(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """KV cache k, v [B, S, n_kv, h] -> constrained to (batch, cache_len, kv_heads, head_dim)."""
-    return constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
+    """KV cache k, v [..., B, S, n_kv, h] (a scanned model's caches lead with [L]) -> constrained
+    to (batch, cache_len, kv_heads, head_dim), leading axes replicated."""
+    axes = (None,) * (k.ndim - len(CACHE_AXES)) + CACHE_AXES
+    return constrain(k, axes), constrain(v, axes)
 
 
 def constrain_method_state(plan: Any, state: Any) -> Any:

@@ -51,6 +51,23 @@ TINY_CONFIGS = {
         "Qwen3Config",
         dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
     ),
+    # Gemma 3: a window of 8 (prompts and decoding run past it), mixed layer types; the second
+    # config ends on a sliding layer, has untied embeddings, its own attention scale and soft-capping
+    "gemma3-window": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True,
+             layer_types=["sliding_attention", "full_attention"]),
+    ),
+    "gemma3-last-sliding": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24, sliding_window=6, tie_word_embeddings=False,
+             final_logit_softcapping=5.0, num_hidden_layers=3,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ),
 }
 
 
@@ -60,7 +77,7 @@ def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
     import transformers
 
     model_cls, config_cls, extra = TINY_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**TINY_BASE, **extra)
+    config = getattr(transformers, config_cls)(**{**TINY_BASE, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     if name.startswith("qwen2"):  # HF initialises biases to zero; make them matter
@@ -68,6 +85,11 @@ def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
+    if name.startswith("gemma3"):  # HF initialises Gemma's (1 + w) norm weights w to zero; make them matter
+        with torch.no_grad():
+            for module_name, param in model.named_parameters():
+                if "norm" in module_name:
+                    param.normal_(0, 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

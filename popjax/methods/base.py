@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from ..ffn import Plan, activations, down_proj, gate_and_up  # noqa: F401 (gate_and_up: re-exported for the methods)
+from ..ffn import Plan, activations, down_proj, gate_activation, gate_and_up  # noqa: F401 (gate_and_up, gate_activation: re-exported for the methods)
 from ..models.quant import dot, take  # noqa: F401 (dot: re-exported for the methods)
 from ..sharding import pad_ids, take_split, take_split_rows
 
@@ -139,7 +139,7 @@ def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep
     (W_d applied to the top ``n_keep`` channels).
 
     x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f])."""
-    h = activations(w["gate_up"], x)
+    h = activations(w["gate_up"], x, gate_activation(w))
     importance = prefill_importance(h, valid, w["down_norm"])
     order = rank_channels(importance)
     return masked_down(h, order[:n_keep], w["down"]), order, importance
@@ -168,7 +168,7 @@ def decode_per_sequence(decode_shared, w, state, x, step, valid):
 
 def dense_mlp(w, x):
     """The full MLP, plus the down bias of a FLAP-pruned checkpoint when it has one."""
-    y = down_proj(activations(w["gate_up"], x), w["down"])
+    y = down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])
     return y if w.get("down_bias") is None else y + w["down_bias"]
 
 

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import (DensePlan, Method, MethodError, Plan, activations, dot, check_global_ratio, copy_channels, copy_gate_up,
+from .base import (gate_activation, DensePlan, Method, MethodError, Plan, activations, dot, check_global_ratio, copy_channels, copy_gate_up,
                    down_proj, kept_channels, take_channels)
 
 BATCH_AGGREGATES = ("max", "mean")
@@ -137,7 +137,7 @@ class BWAPPlan(Plan):
 
     def prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (dense y, state, {"score": s₀ [f]})."""
-        h = activations(w["gate_up"], x)
+        h = activations(w["gate_up"], x, gate_activation(w))
         sumsq, count = sample_sumsq(h, valid)
         s0 = batch_score(sumsq, count, self.aggregate)
         memory, kept = self._refresh(jnp.zeros_like(s0), s0)
@@ -157,12 +157,12 @@ class BWAPPlan(Plan):
         explore, update = self.phase(step)
 
         def dense(_):
-            h = activations(w["gate_up"], x)
+            h = activations(w["gate_up"], x, gate_activation(w))
             sumsq, count = sample_sumsq(h, valid)
             return down_proj(h, w["down"]), state["sumsq"] + sumsq, state["count"] + count
 
         def pruned(_):
-            y = dot("btk,kd->btd", activations(state["gate_up"], x), state["down_rows"])
+            y = dot("btk,kd->btd", activations(state["gate_up"], x, gate_activation(w)), state["down_rows"])
             return y, state["sumsq"], state["count"]
 
         y, sumsq, count = jax.lax.cond(explore, dense, pruned, None)
@@ -188,7 +188,7 @@ class BWAPPlan(Plan):
         return y, state, aux
 
     def _decode_every_step(self, w, state, x, valid):
-        h = activations(w["gate_up"], x)
+        h = activations(w["gate_up"], x, gate_activation(w))
         memory, kept = self._refresh(state["memory"], batch_score(*sample_sumsq(h, valid), self.aggregate))
         y = with_down_bias(w, down_proj(take_channels(h, kept, axis=-1), take_channels(w["down"], kept, axis=1)))
         density = jnp.float32((2 * self.f + self.n_keep) / (3 * self.f))

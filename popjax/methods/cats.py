@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import DensePlan, MethodError, Plan, activations, down_proj, gate_and_up, kept_channels
+from .base import gate_activation, DensePlan, MethodError, Plan, activations, down_proj, gate_and_up, kept_channels
 from .bwap import with_down_bias
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
@@ -52,12 +52,12 @@ class CATSPlan(Plan):
         return True
 
     def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
         gate, up = gate_and_up(w["gate_up"], x)
-        gate = jax.nn.silu(gate)
+        gate = gate_activation(w)(gate)
         t = layer_threshold(w["data"]["thresholds"]["gate"], w["layer"], w.get("block"))
         keep, density = threshold_keep(gate, valid, t, self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))

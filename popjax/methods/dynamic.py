@@ -13,7 +13,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, step_importance, take_channels
+from .base import gate_activation, AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, step_importance, take_channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class DynamicPlan(AggregatedPlan):
         return y, jnp.zeros((0,), jnp.int32), {"importance": importance}
 
     def _decode(self, w, state, x, step, valid):
-        h = activations(w["gate_up"], x)  # [B, 1, f]
+        h = activations(w["gate_up"], x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w["down_norm"])  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
         y = down_proj(take_channels(h, selected, axis=-1), take_channels(w["down"], selected, axis=1))

@@ -32,7 +32,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import RatioMethod, activations, copy_channels, copy_gate_up, down_proj, rank_channels
+from .base import gate_activation, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, rank_channels
 from .static import StaticPlan
 
 
@@ -53,7 +53,7 @@ class GRIFFINPlan(StaticPlan):
 
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (dense y [B, T, d], compact kept blocks, {"importance": [f]})."""
-        h = activations(w["gate_up"], x)  # [B, T, f]
+        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
         scores = griffin_scores(h, valid)
         kept = rank_channels(scores)[: self.n_keep]
         state = {

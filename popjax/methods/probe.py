@@ -54,7 +54,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import (
+from .base import (gate_activation, 
     AggregatedPlan,
     MethodError,
     RatioMethod,
@@ -143,7 +143,7 @@ class ProbePruningPlan(AggregatedPlan):
             # sqrt(Σ_i W_d[i,j]⁴): computed once here so decode steps never read all of W_d
             "down_l4": jnp.sqrt(jnp.sum(down**4, axis=0)),
         }
-        h = activations(w["gate_up"], x)  # [B, T, f]
+        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
         kept, scores, probe = self._select(h, x, valid, state)
         y = masked_down(h, kept, w["down"])
         state = update_history(state, take_channels(h, kept, axis=-1), kept, valid, self.momentum)
@@ -151,7 +151,7 @@ class ProbePruningPlan(AggregatedPlan):
 
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], updated history, {"selected": [n_keep], "scores": [f]})."""
-        h = activations(w["gate_up"], x)  # [B, 1, f]: the probe's rows and the others in one pass
+        h = activations(w["gate_up"], x, gate_activation(w))  # [B, 1, f]: the probe's rows and the others in one pass
         kept, scores, probe = self._select(h, x, valid, state)
         h_kept = take_channels(h, kept, axis=-1)
         y = down_proj(h_kept, take_channels(w["down"], kept, axis=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from .base import AggregatedPlan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, score_prompt
+from .base import gate_activation, AggregatedPlan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, score_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class StaticPlan(AggregatedPlan):
         return y, state, {"importance": importance}
 
     def _decode(self, w, state, x, step, valid):
-        return down_proj(activations(state["gate_up"], x), state["down"]), state, {}
+        return down_proj(activations(state["gate_up"], x, gate_activation(w)), state["down"]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.n_keep

@@ -48,7 +48,7 @@ import numpy as np
 from ..loaded import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
 from ..models.config import ModelConfig
-from .base import DensePlan, Method, MethodError, Plan, activations, dot, down_proj, kept_channels
+from .base import gate_activation, DensePlan, Method, MethodError, Plan, activations, dot, down_proj, kept_channels
 from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
 
 THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
@@ -80,7 +80,7 @@ class AbsHistograms(Statistic):
     version: ClassVar[int] = 1
 
     def collect(self, w, x, valid, h):
-        gate = jax.nn.silu(dot("btd,nd->btn", x, w["gate_up"][0]))
+        gate = gate_activation(w)(dot("btd,nd->btn", x, w["gate_up"][0]))
         return {"x": log_histogram(x, valid), "h": log_histogram(h, valid), "gate": log_histogram(gate, valid)}
 
 
@@ -238,13 +238,13 @@ class TEALPlan(Plan):
         return True
 
     def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x), w["down"])), None, {}
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
         layer, block, t = w["layer"], w.get("block"), w["data"]["thresholds"]
         keep_x, dens_x = threshold_keep(x, valid, layer_threshold(t["x"], layer, block), self.aggregate)
-        h = activations(w["gate_up"], jnp.where(keep_x, x, 0))
+        h = activations(w["gate_up"], jnp.where(keep_x, x, 0), gate_activation(w))
         keep_h, dens_h = threshold_keep(h, valid, layer_threshold(t["h"], layer, block), self.aggregate)
         y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
         return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}

@@ -45,7 +45,7 @@ import numpy as np
 from ..loaded import unrolled
 from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
 from ..models.config import ModelConfig
-from .base import DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
+from .base import gate_activation, DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
 from .base import copy_channels, copy_gate_up, rank_channels
 
 
@@ -125,7 +125,7 @@ class SelectionPlan(Plan):
         return jnp.maximum(ids, 0), (ids >= 0).astype(jnp.float32), None if bias is None else bias[at]
 
     def _apply(self, state, x, bias):
-        y = down_proj(activations(state["gate_up"], x), state["down"])
+        y = down_proj(activations(state["gate_up"], x, gate_activation(w)), state["down"])
         return y if bias is None else y + bias.astype(y.dtype)
 
     def prefill(self, w, x, valid):

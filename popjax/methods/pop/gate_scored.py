@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from ...sharding import pad_ids
-from ..base import copy_rows, dot, down_proj, prefill_importance, take_channels
+from ..base import copy_rows, dot, down_proj, gate_activation, prefill_importance, take_channels
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, copy_channels_or_empty
 
 
-def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
-    """s_c = ‖silu(g[valid, c])‖₂ · ‖W_d[:, c]‖₂: g (gate pre-activations) [B, 1, n], valid
-    [B, 1], down_norm [n] -> [n] fp32."""
-    return prefill_importance(jax.nn.silu(g), valid, down_norm)
+def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """s_c = ‖act(g[valid, c])‖₂ · ‖W_d[:, c]‖₂: g (gate pre-activations) [B, 1, n], valid
+    [B, 1], down_norm [n] -> [n] fp32 (act: the model's gate activation, `gate_activation`)."""
+    return prefill_importance(act(g), valid, down_norm)
 
 
 def gate_partition_state(w, retained, candidates) -> dict:
@@ -65,12 +65,12 @@ def gate_partition_state(w, retained, candidates) -> dict:
     }
 
 
-def retained_and_gates(state, x, n_candidates: int) -> tuple[jax.Array, jax.Array]:
+def retained_and_gates(state, x, n_candidates: int, act=jax.nn.silu) -> tuple[jax.Array, jax.Array]:
     """The step's one dot over ``step_rows``: x [B, 1, d] -> (H of R' [B, 1, n_R'], the gate
     pre-activations of C [B, 1, n_C]); n_R' = n_R without a mesh (`gate_partition_state`)."""
     n_r = state["down_retained"].shape[-1]
     z = dot("bsd,nd->bsn", x, state["step_rows"])  # [B, 1, (2 n_R' + n_C)']
-    return jax.nn.silu(z[..., :n_r]) * z[..., n_r : 2 * n_r], z[..., 2 * n_r : 2 * n_r + n_candidates]
+    return act(z[..., :n_r]) * z[..., n_r : 2 * n_r], z[..., 2 * n_r : 2 * n_r + n_candidates]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +83,15 @@ class GateScorer(CandidateScorer):
         return gate_partition_state(w, retained, candidates)
 
     def decode(self, plan, w, state, x, valid):
-        h_retained, g = retained_and_gates(state, x, plan.n_candidates)  # g: gate pre-activations of C
+        act = gate_activation(w)
+        h_retained, g = retained_and_gates(state, x, plan.n_candidates, act)  # g: gate pre-activations of C
         y = down_proj(h_retained, state["down_retained"])
         if plan.m == 0:
             return y, {}
-        scores = gate_scores(g, valid, state["down_norm_candidates"])
+        scores = gate_scores(g, valid, state["down_norm_candidates"], act)
         top_scores, selected = jax.lax.top_k(scores, plan.m)  # positions within C
         up = dot("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
-        h_selected = jax.nn.silu(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
+        h_selected = act(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
         y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
         return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
 

@@ -53,7 +53,7 @@ from ...calibration import Statistic, calibrate
 from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import table_row
-from ..base import (
+from ..base import (gate_activation, 
     DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
     take_channels, take_gate_up,
 )
@@ -171,10 +171,10 @@ class PerLayerBands(BandRule):
             "band_down_rows": take_channels(w["down"], band, axis=1).T,  # [2 m_max, d]
             "band_down_norm": take_channels(w["down_norm"], band, axis=0),  # [2 m_max]
         }
-        h = activations(w["gate_up"], x)  # XLA shares it with score_prompt's
+        h = activations(w["gate_up"], x, gate_activation(w))  # XLA shares it with score_prompt's
         return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w["down_norm"], plan.n_keep)}
 
-    def _branch(self, plan, m_l: int):
+    def _branch(self, plan, m_l: int, act):
         """The band part of the decode of a layer that selects m_l of 2·m_l candidates: the band
         zone's first m_max − m_l rows are retained, the next 2·m_l its candidates."""
 
@@ -185,7 +185,7 @@ class PerLayerBands(BandRule):
             if rows == 0:
                 return y, {"band": jnp.int32(m_l), "selected": selected}
             gu = dot("bsd,nkd->bsnk", x, state["band_gate_up"][:rows])  # static prefix only
-            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
+            h = act(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
             y = h[..., :n_r] @ state["band_down_rows"][:n_r]
             if m_l:
                 h_c = h[..., n_r:]
@@ -202,8 +202,8 @@ class PerLayerBands(BandRule):
         """x [B, 1, d] -> (y [B, 1, d], {"band": [], "selected": [m_max] (−1 pads)})."""
         widths = self.widths
         level = jnp.asarray([widths.index(b) for b in self.bands], jnp.int32)[table_row(w, plan.blocks)]
-        y, aux = jax.lax.switch(level, [self._branch(plan, m_l) for m_l in widths], state, x, valid)
-        return y + down_proj(activations(state["core_gate_up"], x), state["core_down"]), aux
+        y, aux = jax.lax.switch(level, [self._branch(plan, m_l, gate_activation(w)) for m_l in widths], state, x, valid)
+        return y + down_proj(activations(state["core_gate_up"], x, gate_activation(w)), state["core_down"]), aux
 
     def _counted(self) -> tuple[int, ...]:
         """The bands of the rows that hold an FFN (all of them in a dense model)."""

@@ -48,7 +48,7 @@ from ...convert.fused import dequantize_tree
 from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import slot_array, table_row
-from ..base import (
+from ..base import (gate_activation, 
     DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, take_channels, take_gate_up,
 )
 from .core import POPPreset
@@ -180,24 +180,24 @@ class LowRankScorer(CandidateScorer):
             "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
         }
 
-    def estimated_scores(self, state, x, valid) -> jax.Array:
+    def estimated_scores(self, state, x, valid, act=jax.nn.silu) -> jax.Array:
         """ŝ over the band from the rank-r factors: x [B, 1, d] -> [n_C] fp32."""
         z = jnp.einsum("bsd,dq->bsq", x, state["score_in"])  # [B, 1, k r]
         z = z.reshape(*z.shape[:-1], self.n_factors, self.rank)
         est = jnp.einsum("bskr,krc->bskc", z, state["score_out"])  # [B, 1, k, n_C]
-        act = jax.nn.silu(est[..., 0, :])
+        h = act(est[..., 0, :])  # the model's gate activation (`gate_activation`)
         if self.project == "gate_up":
-            act = act * est[..., 1, :]
-        return prefill_importance(act, valid, state["down_norm_candidates"])
+            h = h * est[..., 1, :]
+        return prefill_importance(h, valid, state["down_norm_candidates"])
 
     def decode(self, plan, w, state, x, valid):
-        y = down_proj(activations(state["gate_up"], x), state["down_retained"])
+        y = down_proj(activations(state["gate_up"], x, gate_activation(w)), state["down_retained"])
         if plan.m == 0:
             return y, {}
-        top_scores, selected = jax.lax.top_k(self.estimated_scores(state, x, valid), plan.m)
+        top_scores, selected = jax.lax.top_k(self.estimated_scores(state, x, valid, gate_activation(w)), plan.m)
         rows = take_channels(state["gate_up_candidates"], selected, axis=0)  # [m, 2, d]
         gu = dot("bsd,mkd->bsmk", x, rows)
-        h_selected = jax.nn.silu(gu[..., 0]) * gu[..., 1]  # [B, 1, m], exact
+        h_selected = gate_activation(w)(gu[..., 0]) * gu[..., 1]  # [B, 1, m], exact
         y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
         return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
 

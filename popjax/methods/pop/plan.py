@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ...models.quant import empty_along
 from ...sharding import pad_ids
-from ..base import (
+from ..base import (gate_activation, 
     AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
     step_importance, take_channels, take_gate_up,
 )
@@ -102,7 +102,7 @@ class ExactScorer(CandidateScorer):
             gate_up = take_gate_up(w["gate_up"], jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
         else:
             gate_up = state["gate_up"]
-        h = activations(gate_up, x)  # [B, 1, (n_R' + n_C)']
+        h = activations(gate_up, x, gate_activation(w))  # [B, 1, (n_R' + n_C)']
         down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
         n_r = down_retained.shape[-1]  # n_R' (padded on a mesh, see exact_blocks)
         h_retained, h_candidates = h[..., :n_r], h[..., n_r : n_r + plan.n_candidates]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ...models.quant import take_along_axis
 from ...sharding import constrain
-from ..base import IN_BOUNDS, TAKE_MODE, AggregatedPlan, activations, dot, down_proj, prefill_importance
+from ..base import gate_activation, IN_BOUNDS, TAKE_MODE, AggregatedPlan, activations, dot, down_proj, prefill_importance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class POPShardedPlan(AggregatedPlan):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
         S, block, keep = self.shards, self.block, self.n_keep // self.shards
         n_r, n_c = self.n_retained, self.n_candidates
-        h = activations(w["gate_up"], x)  # [B, T, f]
+        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
         importance = prefill_importance(h, valid, w["down_norm"])  # [f]
         order = jax.lax.top_k(importance.reshape(S, block), block)[1]  # [S, block] ids within each block
         rows = jnp.arange(S)[:, None]
@@ -110,7 +110,7 @@ class POPShardedPlan(AggregatedPlan):
         else:
             gate_up, down_retained = state["gate_up"], state["down_retained"]
         gu = dot("btd,gskd->btgsk", x, gate_up)
-        h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [B, 1, S, n_R + n_C]
+        h = gate_activation(w)(gu[:, :, 0]) * gu[:, :, 1]  # [B, 1, S, n_R + n_C]
         h_retained, h_candidates = h[..., : self.n_retained], h[..., self.n_retained :]
         y = dot("btsk,skd->btd", h_retained, down_retained)
         if self.m == 0:

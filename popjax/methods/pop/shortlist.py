@@ -36,7 +36,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..base import MethodError, dot, down_proj, prefill_importance, round_half_up, step_importance, take_channels
+from ..base import MethodError, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels
 from .core import POPPreset
 from .gate_scored import gate_partition_state, gate_scores, retained_and_gates
 from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
@@ -64,7 +64,7 @@ class ShortlistScorer(CandidateScorer):
             up = dot("btd,nd->btn", x, state["up_candidates"])
             state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
         elif self.prior == "gated_up":
-            gate = jax.nn.silu(dot("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
+            gate = gate_activation(w)(dot("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
             up = dot("btd,nd->btn", x, state["up_candidates"])
             importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
             gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
@@ -72,14 +72,15 @@ class ShortlistScorer(CandidateScorer):
         return state
 
     def decode(self, plan, w, state, x, valid):
-        h_retained, g = retained_and_gates(state, x, plan.n_candidates)  # g: gate pre-activations of C
+        act = gate_activation(w)
+        h_retained, g = retained_and_gates(state, x, plan.n_candidates, act)  # g: gate pre-activations of C
         y = down_proj(h_retained, state["down_retained"])
         if plan.m == 0:
             return y, {}
         weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
-        shortlist = jax.lax.top_k(gate_scores(g, valid, weight), self.s)[1]  # [s] within C
+        shortlist = jax.lax.top_k(gate_scores(g, valid, weight, act), self.s)[1]  # [s] within C
         up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
-        h = jax.nn.silu(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
+        h = act(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
         norms = take_channels(state["down_norm_candidates"], shortlist, axis=0)
         top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), plan.m)  # within the shortlist
         selected = take_channels(shortlist, pick, axis=0)  # positions within C
