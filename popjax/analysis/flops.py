@@ -90,8 +90,10 @@ def ffn_bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, itemsize: int) 
 
 def bytes_per_step(cfg: ModelConfig, plan: Plan, batch: int, cache_slots: int, itemsize: int) -> int:
     """Weights (attention, FFN, LM head) plus the KV cache read by one decode step; ``itemsize``
-    is the compute dtype's (KV caches), weights count `linear_itemsize`."""
+    is the compute dtype's (KV caches), weights count `linear_itemsize`. A sliding-window layer
+    reads at most its window of the ``cache_slots`` a full layer reads."""
     attention = cfg.num_hidden_layers * cfg.attention_params_per_layer() * linear_itemsize(cfg, itemsize)
     head = cfg.vocab_size * cfg.hidden_size * linear_itemsize(cfg, itemsize)
-    kv = 2 * cfg.num_hidden_layers * cache_slots * cfg.kv_dim * itemsize * batch
+    read = sum(cache_slots if cfg.window(i) is None else min(cache_slots, cfg.window(i)) for i in range(cfg.num_hidden_layers))
+    kv = 2 * read * cfg.kv_dim * itemsize * batch
     return attention + head + ffn_bytes_per_step(cfg, plan, batch, itemsize) + kv

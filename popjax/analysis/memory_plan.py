@@ -7,7 +7,10 @@ donated, as generation runs it). XLA's memory analysis gives per-device bytes of
 outputs and temporaries; the carry's own shardings (as XLA assigned them) split it into KV cache
 and method state. One decode step (``engine.stream_step``) gives FLOPs and bytes accessed from
 XLA's cost analysis. Analytic figures stand next to them: weights / model-axis size, the KV
-formula 2·L·B·S·kv_dim·itemsize / (data · model), and `bench.bytes_per_step`.
+formula 2·B·kv_dim·itemsize·Σ_l S_l / (data · model) — S_l the cache slots of layer l: every slot
+for a full layer, the ring of its window for a sliding-window layer, and beside it the same
+formula with every layer full (what the model would need without windows) — and
+`bench.bytes_per_step`.
 
 Published configs ship as small JSON files in ``popjax/configs/`` (HF ``config.json`` fields);
 any HF ``config.json`` path works as well. On CPU a mesh larger than the visible devices needs
@@ -32,6 +35,7 @@ from flax import nnx
 from .. import engine, sharding
 from ..generation import MAX_STOP_IDS
 from ..models.config import ModelConfig
+from ..models.attention import ring_slots
 from ..models.decoder import abstract_model
 from ..models.scan import abstract_scanned_model, check_scannable
 from ..sampling import SamplingParams
@@ -128,7 +132,8 @@ def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     moe = cfg.moe
     if moe is not None and moe.sparse_layers:
         moe = dataclasses.replace(moe, sparse_layers=tuple(range(n)))
-    return dataclasses.replace(cfg, num_hidden_layers=n, moe=moe)
+    kinds = None if cfg.layer_types is None else cfg.layer_types[:n]
+    return dataclasses.replace(cfg, num_hidden_layers=n, moe=moe, layer_types=kinds)
 
 
 def _layer_extrapolated_cost(cfg: ModelConfig, mesh, method, batch: int, prompt: int, capacity: int,
@@ -149,7 +154,8 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     """Per-device memory and per-step cost of generating with ``method`` on ``mesh``.
 
     ``context`` is the KV-cache capacity (prompt + generated tokens, an engine capacity bucket);
-    ``prompt`` the prefill length (default ``context // 2``). ``scan_layers``: plan the scanned
+    ``prompt`` the prefill length (default ``context // 2``, or ``context − 4096`` when the
+rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanned
     model (``load(..., scan_layers=True)``, models/scan.py): its layers are stacked on a leading
     [L] axis and run by one ``lax.scan`` step, so a program holds one layer's code and deep models
     compile in minutes; configs the scanned model refuses (per-layer widths, mixed MoE layers)
@@ -160,7 +166,8 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
         check_scannable(cfg)  # before any compile: the scanned model's own error
     if batch < 1 or context < 2:
         raise ValueError(f"batch={batch} must be ≥ 1 and context={context} ≥ 2")
-    prompt = context // 2 if prompt is None else prompt
+    if prompt is None:  # half the context, or more when the rest exceeds the largest capacity bucket
+        prompt = max(context // 2, context - engine.CAPACITY_BUCKETS[-1])
     if not 1 <= prompt < context:
         raise ValueError(f"prompt={prompt} must be in [1, context={context})")
     capacity = engine.bucket_for(context - prompt, engine.CAPACITY_BUCKETS, "context - prompt")
@@ -191,15 +198,20 @@ def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt
     n_params = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
     weight_bytes = sum(math.prod(leaf.shape) * min(jnp.dtype(leaf.dtype).itemsize, itemsize)  # int8 leaves: 1 byte
                        for leaf in jax.tree_util.tree_leaves(params))
+    # a sliding-window layer keeps a ring of its window (models/attention.py ring_slots), a full layer every slot
+    layer_slots = [slots if cfg.window(i) is None else ring_slots(cfg.window(i), slots) for i in range(cfg.num_hidden_layers)]
+    kv_bytes = lambda total_slots: 2 * batch * total_slots * cfg.kv_dim * itemsize // (min(data, batch) * kv_heads_split)
     analytic = {
         "weights": weight_bytes // model_axis,
-        "kv_cache": 2 * cfg.num_hidden_layers * batch * slots * cfg.kv_dim * itemsize // (min(data, batch) * kv_heads_split),
+        "kv_cache": kv_bytes(sum(layer_slots)),
+        "kv_cache_without_windows": kv_bytes(cfg.num_hidden_layers * slots),
         "bytes_per_decode_step": bytes_per_step(cfg, plan, batch, slots, itemsize),
         "flops_per_decode_step": 2 * n_params * batch,
     }
     return {
         "model": cfg.model_type, "layers": cfg.num_hidden_layers, "mesh": {"data": data, "model": model_axis},
         "devices": data * model_axis, "batch": batch, "context": context, "prompt": prompt, "cache_slots": slots,
+        "sliding_window": cfg.sliding_window, "sliding_layers": len(cfg.sliding_layers),
         "dtype": dtype, "weights": cfg.weights, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
         "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": step_cost,
     }
@@ -222,6 +234,8 @@ def format_plan(p: dict[str, Any]) -> str:
         "per device (GiB)           XLA   analytic",
         f"  weights            {g(x['weights'])}   {g(a['weights'])}",
         f"  KV cache           {g(x['kv_cache'])}   {g(a['kv_cache'])}",
+        *([f"  KV without windows            {g(a['kv_cache_without_windows'])}   (every layer full: "
+           f"{a['kv_cache_without_windows'] / max(a['kv_cache'], 1):.1f}x)"] if p.get("sliding_window") else []),
         f"  method state       {g(x['method_state'])}",
         f"  prefill temps      {g(x['prefill']['temp'])}",
         f"  decode temps       {g(x['decode']['temp'])}",
