@@ -48,6 +48,9 @@ def random_tree(cfg, seed: int = 0) -> dict:
                  "v": w(cfg.num_key_value_heads * h, d), "o": w(d, cfg.num_attention_heads * h)},
         "mlp": {"gate": w(f, d), "up": w(f, d), "down": w(d, f)},
     }
+    if cfg.sandwich_norms:  # Gemma: norms on the attention and FFN outputs as well
+        layer_without_post = layer
+        layer = lambda: {**layer_without_post(), "attn_post_norm": norm(d), "mlp_post_norm": norm(d)}
     if cfg.qk_norm:
         layer_without_norms = layer
         layer = lambda: (lambda t: {**t, "attn": {**t["attn"], "q_norm": norm(h), "k_norm": norm(h)}})(layer_without_norms())
