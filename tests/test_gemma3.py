@@ -189,3 +189,57 @@ def test_memory_plan_knows_windowed_caches(scan_layers):
     per_slot = 2 * 2 * cfg.kv_dim * 4  # k and v, batch 2, fp32
     assert plan["xla_per_device"]["kv_cache"] == plan["analytic_per_device"]["kv_cache"] == per_slot * (slots + 3 * 16)
     assert plan["analytic_per_device"]["kv_cache_without_windows"] == per_slot * 4 * slots
+
+
+def _reference_attention(q, k, v, q_index, k_index, valid, window, scale):
+    """NumPy softmax attention: q [T, n_q, h] at q_index [T]; k, v [S, n_kv, h] at k_index [S]
+    (valid [S]); key s is seen by query t when valid, k ≤ q and q − k < window."""
+    n_q, n_kv = q.shape[1], k.shape[1]
+    kk, vv = np.repeat(k, n_q // n_kv, axis=1), np.repeat(v, n_q // n_kv, axis=1)
+    scores = np.einsum("tnh,snh->nts", q, kk) * scale
+    seen = valid[None, :] & (k_index[None, :] <= q_index[:, None]) & (q_index[:, None] - k_index[None, :] < window)
+    scores = np.where(seen[None], scores, -1e30)  # finite: a padding query row stays finite (and unused)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nts,snh->tnh", p, vv)
+
+
+def test_windowed_flash_prefill_equals_reference():
+    """A 1024-token prompt runs the blockwise prefill (two 512-blocks); with a window of 200 the
+    first key block is outside every window of the second query block and is skipped."""
+    from popjax.models.attention import PREFILL_BLOCK, causal_attention
+
+    T, window, scale = 2 * PREFILL_BLOCK, 200, 0.3
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, T, n, 8)).astype(np.float32) for n in (4, 2, 2))
+    valid = np.ones((1, T), bool)
+    valid[0, :37] = False  # left padding
+    got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), scale, window))
+    index = np.arange(T)
+    want = _reference_attention(q[0], k[0], v[0], index, index, valid[0], window, scale)
+    np.testing.assert_allclose(got[0, 37:], want[37:], atol=2e-5)
+
+
+def test_ring_attention_equals_reference_for_several_new_tokens():
+    """Three fresh tokens at once after 21 cached ones, ring of 8 slots, window 8: the queries
+    read the ring as it was plus the fresh keys; the fresh keys then overwrite the oldest slots."""
+    from popjax.models.attention import ring_attention, ring_from_prompt, ring_write
+
+    rng = np.random.default_rng(1)
+    S, window, ring, past, T, scale = 32, 8, 8, 21, 3, 0.25
+    k_all, v_all = (rng.normal(size=(1, S, 2, 8)).astype(np.float32) for _ in range(2))
+    q = rng.normal(size=(1, T, 4, 8)).astype(np.float32)
+    valid = np.ones((1, S), bool)
+    valid[0, :5] = False  # left padding
+    k_ring = ring_from_prompt(jnp.asarray(k_all[:, :past]), past, ring)
+    v_ring = ring_from_prompt(jnp.asarray(v_all[:, :past]), past, ring)
+    read = lambda start, size: (jax.lax.dynamic_slice_in_dim(k_ring, start, size, 1), jax.lax.dynamic_slice_in_dim(v_ring, start, size, 1))
+    fresh_k, fresh_v = jnp.asarray(k_all[:, past:past + T]), jnp.asarray(v_all[:, past:past + T])
+    got = np.asarray(ring_attention(jnp.asarray(q), fresh_k, fresh_v, read, ring, jnp.asarray(valid), jnp.int32(past), window, scale))
+    index = np.arange(past + T)
+    want = _reference_attention(q[0], k_all[0, :past + T], v_all[0, :past + T], past + np.arange(T), index,
+                                valid[0, :past + T], window, scale)
+    np.testing.assert_allclose(got[0], want, atol=2e-5)
+    written = np.asarray(ring_write(k_ring, fresh_k, jnp.int32(past)))
+    for c in range(past + T - ring, past + T):  # the ring now holds the last 8 indices, index c at slot c mod 8
+        np.testing.assert_array_equal(written[0, c % ring], k_all[0, c])
