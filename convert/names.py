@@ -78,6 +78,10 @@ GGUF_RULES = (
     Rule(r"output_norm\.weight", "final_norm.weight"),
     Rule(r"output\.weight", "lm_head"),
 )
+# llama.cpp's names for MODEL_ARCH.GEMMA3 (gguf-py constants.py TENSOR_NAMES; src/llama-model.cpp
+# loads these, output.weight optional = tied): ATTN_POST_NORM is "post_attention_norm", FFN_PRE_NORM
+# "ffn_norm", FFN_POST_NORM "post_ffw_norm". Its converter adds 1 to every *norm.weight and permutes
+# no q/k rows (only its LLaMA converter does), so every rule here is a plain rename.
 GEMMA3_GGUF_RULES = (
     Rule(r"token_embd\.weight", "embed"),
     Rule(r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.attn_norm.weight"),

@@ -81,7 +81,8 @@ def _open_safetensors(file: Path, safe_open):
 
 # ---------------------------------------------------------------- GGUF
 
-_GGUF_ARCHES = ("llama", "qwen2", "qwen3")
+# GGUF ``general.architecture`` -> the HF ``model_type`` whose config it describes
+_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
 def open_gguf(path: Path):
@@ -96,6 +97,12 @@ def open_gguf(path: Path):
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _f32(value) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07), so a
+    config read from a GGUF equals the HF one it was converted from."""
+    return float(str(np.float32(value)))
 
 
 def gguf_config(reader, path: Path) -> ModelConfig:
@@ -117,22 +124,97 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     d = int(_field(reader, f"{arch}.embedding_length"))
     raw = {
-        "model_type": arch,
-        "vocab_size": int(names["token_embd.weight"].shape[-1]),
+        "model_type": _GGUF_ARCHES[arch],
+        "vocab_size": int(names["token_embd.weight"].shape[-1]),  # GGUF shapes are [in, out]
         "hidden_size": d,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", d // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        raw.update(_gemma3_fields(reader, path, raw))
     return ModelConfig.from_hf_dict(raw)
+
+
+def _gemma3_fields(reader, path: Path, raw: dict) -> dict:
+    """The Gemma 3 fields of a ``gemma3`` GGUF, read and derived as llama.cpp does.
+
+    llama.cpp's converter (``Gemma3Model.set_gguf_parameters``) writes neither the layer pattern
+    nor the attention scale, and older converters no local RoPE base (``rope.freq_base_swa``); its
+    loader (``src/llama-model.cpp``, ``case LLM_ARCH_GEMMA3``) derives them. Each value below
+    follows that loader, so a file means here what it means to llama.cpp. Returns HF config
+    fields (transformers 4.x names) to add to ``raw``."""
+    n, d, heads, head_dim = raw["num_hidden_layers"], raw["hidden_size"], raw["num_attention_heads"], raw["head_dim"]
+    value_dim = int(_field(reader, "gemma3.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ConfigError(
+            f"gemma3.attention.value_length={value_dim} differs from key_length={head_dim} in {path}; "
+            "popjax runs Gemma 3 with one head size for keys and values"
+        )
+    # Sliding-window layers exist only when the file gives a window > 0 (llama.cpp: "found_swa &&
+    # n_swa > 0", else every layer is full). Which layers slide: llama_hparams::set_swa_pattern,
+    # layer i slides iff i % period < period - 1 (every period-th layer, 1-based, is full); the
+    # period is 6 unless ``attention.sliding_window_pattern`` says otherwise (a period, or one
+    # bool per layer, true = sliding, the layout llama.cpp's swa_layers array has).
+    window = int(_field(reader, "gemma3.attention.sliding_window", 0) or 0)
+    pattern = _field(reader, "gemma3.attention.sliding_window_pattern", 6)
+    if window <= 0:
+        sliding = [False] * n
+    elif isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ConfigError(
+                f"gemma3.attention.sliding_window_pattern in {path} has {len(pattern)} entries; "
+                f"give one per layer ({n}) or a period"
+            )
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]  # 0: llama.cpp slides all
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": window if window > 0 else None,
+        # the sliding layers' RoPE: base 10000 and no scaling, which llama.cpp hard-codes for
+        # Gemma 3 (rope_freq_base_train_swa) and newer files also state in rope.freq_base_swa
+        "rope_local_base_freq": _f32(_field(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+        "rope_scaling": _gguf_rope_scaling(reader, "gemma3"),
+        # llama.cpp's f_attention_scale: 1/sqrt(n_embd / n_head) for the 27B (62 layers; its
+        # query_pre_attn_scalar is 168 = 5376 / 32), 1/sqrt(head_dim) for every other size
+        "query_pre_attn_scalar": d // heads if n == 62 else head_dim,
+        # optional; absent or 0 means none (llama.cpp's default f_final_logit_softcapping = 0)
+        "final_logit_softcapping": _f32(cap) if (cap := _field(reader, "gemma3.final_logit_softcapping")) else None,
+        "hidden_activation": "gelu_pytorch_tanh",  # llama.cpp's LLM_FFN_GELU: the tanh form
+        # an instruction-tuned Gemma ends its turn with <end_of_turn> (eot), which llama.cpp also
+        # stops at; HF's configs list both ids ([1, 106])
+        "eos_token_id": _stop_ids(raw["eos_token_id"], _field(reader, "tokenizer.ggml.eot_token_id")),
+    }
+
+
+def _stop_ids(eos, eot) -> list[int] | int | None:
+    ids = [int(i) for i in ([] if eos is None else eos if isinstance(eos, list) else [eos])]
+    if eot is not None and int(eot) not in ids:
+        ids.append(int(eot))
+    return ids or None
+
+
+def _gguf_rope_scaling(reader, arch: str) -> dict | None:
+    """llama.cpp's global RoPE scaling: ``rope.scaling.factor`` (or the older ``rope.scale_linear``)
+    under ``rope.scaling.type`` (default "linear"); no factor means no scaling. Any type but
+    linear is passed on by name, for `ModelConfig` to accept or reject."""
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    kind = _field(reader, f"{arch}.rope.scaling.type", "linear")
+    if kind == "none" or not factor:
+        return None
+    return {"rope_type": kind, "factor": _f32(factor)}
 
 
 def iter_gguf_tensors(reader, path: Path) -> Iterator[tuple[str, np.ndarray]]:

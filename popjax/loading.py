@@ -57,6 +57,7 @@ HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "Qwen/Qwen3-8B"
 HUB_FILES = (  # what popjax reads from a hub repo: weights, configs, tokenizer
     "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
     "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json",  # newer repos keep the chat template apart
 )
 
 
@@ -70,7 +71,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
     except Exception as err:  # offline cache miss, unknown repo, gated repo, network error
         where = "in the hub cache " + str(constants.HF_HUB_CACHE) if constants.HF_HUB_OFFLINE else "on the hub"
-        raise CheckpointError(f"Hugging Face repo {repo_id!r} is not available {where}: {type(err).__name__}: {err}") from None
+        detail = " ".join(str(err).split())  # one line: a gated repo's message (Gemma's) spans several
+        raise CheckpointError(f"Hugging Face repo {repo_id!r} is not available {where}: {type(err).__name__}: {detail}") from None
 
 
 def _source_files(kind: str, path: Path) -> list[Path]:
