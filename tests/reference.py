@@ -1,6 +1,11 @@
 """The NumPy side of the method tests: plain, loop-friendly float64 references of the FFN math
 and the random layers and batches they are compared on (docs/methods.md §0: W_g, W_u [d, f],
-W_d [f, d] in math layout; popjax stores gate/up stacked [2, f, d] and down [d, f])."""
+W_d [f, d] in math layout; popjax stores gate/up stacked [2, f, d] and down [d, f]).
+
+The gated FFN is H = act(x W_g) ⊙ (x W_u) with the model's gate activation: SiLU (SwiGLU: LLaMA,
+Qwen) or tanh-GELU (GeGLU: Gemma), by the names of ``models.config.FFN_ACTIVATIONS``. A layer W
+may carry its activation's name as ``W["act"]`` (SiLU when absent), so every reference built on
+`ref_hidden` follows the layer it is given; an explicit ``act`` argument overrides it."""
 
 from __future__ import annotations
 
@@ -14,9 +19,29 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def ref_hidden(W, x):
-    """x [..., d] -> H = silu(x W_g) ⊙ (x W_u) [..., f], in float64."""
-    return silu(x @ W["gate"]) * (x @ W["up"])
+def gelu_tanh(x):
+    """GELU in its tanh approximation (HF "gelu_pytorch_tanh", Gemma's gate activation):
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+# models.config.FFN_ACTIVATIONS -> the NumPy function
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def gate_act(W, act: str | None = None):
+    """The gate activation function: ``act`` when given, else the layer's ``W["act"]``, else SiLU."""
+    return ACTIVATIONS[act or W.get("act", "silu")]
+
+
+def ref_gate(W, x, act: str | None = None):
+    """x [..., d] -> act(x W_g) [..., f] (the gate activations CATS thresholds), in float64."""
+    return gate_act(W, act)(x @ W["gate"])
+
+
+def ref_hidden(W, x, act: str | None = None):
+    """x [..., d] -> H = act(x W_g) ⊙ (x W_u) [..., f], in float64 (act: see `gate_act`)."""
+    return ref_gate(W, x, act) * (x @ W["up"])
 
 
 def ref_down_norms(W):
@@ -35,25 +60,33 @@ def ref_sizes(f: int, n_keep: int, gamma: float) -> tuple[int, int, int]:
     return n_keep - m, 2 * m, m
 
 
-def random_layer(rng, d, f):
-    """Gate/up/down of one FFN in math layout, down rows scaled so channel norms differ."""
+def random_layer(rng, d, f, act: str = "silu"):
+    """Gate/up/down of one FFN in math layout, down rows scaled so channel norms differ; ``act``
+    (the gate activation's name) is kept as ``W["act"]``."""
     return {
         "gate": rng.normal(0, 0.3, (d, f)),
         "up": rng.normal(0, 0.3, (d, f)),
         "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),  # outputs O(1)
+        "act": act,
     }
 
 
-def as_jax(W, layer: int = 0):
+def as_jax(W, layer: int = 0, act: str | None = None):
     """Math layout -> the layer dict a plan receives: gate_up [2, f, d], down [d, f], down_norm [f],
-    and the layer index."""
+    the layer index and, unless it is SiLU, the gate activation's name ``"act"`` (``act`` or
+    ``W["act"]``). SiLU is what a plan assumes for a dict without one; leaving the name out then
+    keeps the dict a pytree of arrays, which ``jax.jit`` takes as an argument (a str leaf it does not)."""
     down = np.asarray(W["down"], np.float32)
-    return {
+    out = {
         "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
         "down": jnp.asarray(down.T),
         "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
         "layer": jnp.int32(layer),
     }
+    name = act or W.get("act", "silu")
+    if name != "silu":
+        out["act"] = name
+    return out
 
 
 def random_batch(rng, d, lengths, T, scale=None, varied_norms: bool = False):
@@ -92,11 +125,13 @@ def int8_layer(W):
     f = W["gate"].shape[1]
     deq_gu = q_gu * s_gu[:, None]
     deq_d = q_d * s_d[:, None]
-    W_deq = {"gate": deq_gu[:f].T, "up": deq_gu[f:].T, "down": deq_d.T}
+    W_deq = {"gate": deq_gu[:f].T, "up": deq_gu[f:].T, "down": deq_d.T, "act": W.get("act", "silu")}
     layer = {
         "gate_up": Int8Weight(jnp.asarray(q_gu.reshape(2, f, -1)), jnp.asarray(s_gu.reshape(2, f, 1), jnp.float32)),
         "down": Int8Weight(jnp.asarray(q_d), jnp.asarray(s_d[:, None], jnp.float32)),
         "down_norm": jnp.asarray(np.sqrt((deq_d ** 2).sum(0)), jnp.float32),
         "layer": jnp.int32(0),
     }
+    if W_deq["act"] != "silu":
+        layer["act"] = W_deq["act"]
     return layer, W_deq

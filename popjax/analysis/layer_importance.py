@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .. import engine
 from ..data import HELD_OUT_PLAY, INSTRUCTIONS, humaneval_problems, load_play, play_names
 from ..generation import generate_ids
-from ..loaded import LoadedModel
+from ..loaded import LoadedModel, unrolled
 from ..methods import Dense
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,11 @@ def layer_importance(
     memory-bound); then one forward-backward over prompt+response gives ``∂L/∂g_prefill`` and
     ``∂L/∂g_decode``. Samples are grouped by the bucket of ``len(prompt) + response_tokens`` and
     run ``batch_size`` rows at a time, so ``gate_gradients`` compiles once per bucket.
+
+    A scanned model (``scan_layers=True``) is analysed through its unrolled view
+    (`popjax.loaded.unrolled`): the gates are per layer, which a scan does not run.
     """
+    model = unrolled(model)
     samples = [list(s) for s in samples]
     check_counts(
         samples=len(samples), response_tokens=response_tokens, batch_size=batch_size, sample_batch_size=sample_batch_size

@@ -34,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--mesh", default="1x1", help="DATAxMODEL devices, e.g. 1x8 (fake CPU devices are made as needed)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096, help="KV-cache capacity: prompt + generated tokens")
-    p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2)")
+    p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2, at least context - 4096)")
     p.add_argument("--dtype", default="bfloat16")
     add_method_args(p)
     p.add_argument("--partition", default=None, help="POP: global (default) or per_shard (compact blocks stay on their shard)")

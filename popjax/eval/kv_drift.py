@@ -10,7 +10,11 @@ prefill-only and the full model of:
   (``norm_l(x_skip) W`` vs ``norm_l(x_full_l) W``), all heads as one vector per token;
 * ``attn``: the attention output (after ``o``) of the later tokens' queries — the full model's
   queries, keys and values for the later tokens, the prompt's keys/values either prefill-only's
-  or the full model's.
+  or the full model's — attending as the layer does (its score scale; a sliding-window layer's
+  queries see only the prompt keys inside their window).
+
+Every layer rotates with the angles of its attention kind (Gemma 3's sliding layers: their
+local base; `kv_calibration.layer_streams`).
 
 With a calibration, ``k_cal``, ``v_cal``, ``attn_cal`` use its projections ``W'`` instead.
 Default prompts: windows of the dev play (``popjax.data.DEV_PLAY``), which the calibration
@@ -52,15 +56,15 @@ def _drift_sums(graphdef, params, tokens, valid, skip, prefix, weights, biases):
     """Sums over valid tokens of each quantity's cosine, per skipped layer -> {name: [n]}, counts.
     ``weights`` [n, 2·kv_dim, d] (biases [n, 2·kv_dim]) are a calibration's, or None."""
     model = nnx.merge(graphdef, params)
-    xs, xf, cos, sin = layer_streams(model, tokens, valid, skip)
+    xs, xf, angles = layer_streams(model, tokens, valid, skip)
     early, late = valid[:, :prefix].astype(jnp.float32), valid[:, prefix:].astype(jnp.float32)
-    pc, ps = cos[:, :prefix], sin[:, :prefix]
     sums: dict[str, list] = {}
     add = lambda name, c, m: sums.setdefault(name, []).append(jnp.sum(c * m))
-    for i, (l, s, f) in enumerate(zip(skip, xs, xf)):
-        layer = model.layers[l]
+    for i, (l, s, f, (cos, sin)) in enumerate(zip(skip, xs, xf, angles)):  # each layer's kind's angles
+        layer, window = model.layers[l], model.cfg.window(l)
+        pc, ps = cos[:, :prefix], sin[:, :prefix]
         q, k, v = full_qkv(layer.attn, layer.attn_norm(f), cos, sin)
-        target = later_query_output(layer.attn, q[:, prefix:], k, v, valid)
+        target = later_query_output(layer.attn, q[:, prefix:], k, v, valid, window)
         zs = layer.attn_norm(s)[:, :prefix]
         variants = {"": {}}
         if weights is not None:
@@ -73,7 +77,7 @@ def _drift_sums(graphdef, params, tokens, valid, skip, prefix, weights, biases):
             add("v" + suffix, _cos(kv.v, v[:, :prefix]), early)
             keys = jnp.concatenate([kv.k, k[:, prefix:]], axis=1)
             values = jnp.concatenate([kv.v, v[:, prefix:]], axis=1)
-            add("attn" + suffix, _cos(later_query_output(layer.attn, q[:, prefix:], keys, values, valid), target), late)
+            add("attn" + suffix, _cos(later_query_output(layer.attn, q[:, prefix:], keys, values, valid, window), target), late)
     return {name: jnp.stack(vals) for name, vals in sums.items()}, jnp.sum(early), jnp.sum(late)
 
 

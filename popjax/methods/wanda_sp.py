@@ -124,7 +124,8 @@ class SelectionPlan(Plan):
         bias = data.get("bias")
         return jnp.maximum(ids, 0), (ids >= 0).astype(jnp.float32), None if bias is None else bias[at]
 
-    def _apply(self, state, x, bias):
+    def _apply(self, w, state, x, bias):
+        """The kept channels' FFN on x (``w`` supplies the model's gate activation, `gate_activation`)."""
         y = down_proj(activations(state["gate_up"], x, gate_activation(w)), state["down"])
         return y if bias is None else y + bias.astype(y.dtype)
 
@@ -134,10 +135,10 @@ class SelectionPlan(Plan):
         down = copy_channels(w["down"], idx, axis=1)  # [d, n_max'] (split over "model" on a mesh)
         mask = jnp.pad(mask, (0, down.shape[1] - mask.shape[0]))  # padding channels are zeros already
         state = {"gate_up": copy_gate_up(w["gate_up"], idx), "down": down * mask.astype(down.dtype)}  # [2, n_max', d]
-        return self._apply(state, x, bias), state, {}
+        return self._apply(w, state, x, bias), state, {}
 
     def decode(self, w, state, x, step, valid):
-        return self._apply(state, x, self._tables(w)[2]), state, {}
+        return self._apply(w, state, x, self._tables(w)[2]), state, {}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 6 * d * self.n_max

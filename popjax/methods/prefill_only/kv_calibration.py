@@ -56,7 +56,7 @@ from ..base import MethodError
 from ..dense import Dense
 from .skip import check_skip, skipped_layers
 from ...models.layers import group_kv
-from ...models.rope import rope_cos_sin
+from ...models.rope import layer_rope
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +138,22 @@ def window_batches(corpus: Corpus, batch_size: int):
 
 def layer_streams(model, tokens: jax.Array, valid: jax.Array, skip: tuple[int, ...]):
     """Runs the dense model twice in one pass (inside jit; ``model`` is the merged Transformer):
-    the full model and prefill-only (layers in ``skip`` pass x through). -> (x_skip, x_full):
-    lists over ``skip`` of layer l's input residual stream [B, T, d] under each; cos, sin.
-    Layers before the first skipped one are shared; nothing after the last is computed."""
-    cos, sin = rope_cos_sin(model.cfg, positions_from_mask(valid.astype(jnp.int32)))
-    plan = Dense().bind(model.cfg)
+    the full model and prefill-only (layers in ``skip`` pass x through). -> (x_skip, x_full,
+    angles): lists over ``skip`` of layer l's input residual stream [B, T, d] under each, and of
+    l's rotary angles (cos, sin) [B, T, h]. Layers before the first skipped one are shared;
+    nothing after the last is computed.
+
+    Each layer gets the angles of its attention kind (`models.rope.layer_rope`, as the model's
+    own forward does): a Gemma 3 sliding-window layer rotates with its local base, a full layer
+    with the global base and scaling; one set of angles for every layer would run the sliding
+    layers with the global ones, and both streams, the targets and the fit would be off."""
+    cfg = model.cfg
+    rope = layer_rope(cfg, positions_from_mask(valid.astype(jnp.int32)))
+    angles = lambda i: rope[cfg.layer_type(i)]
+    plan = Dense().bind(cfg)
     # ``routed`` [B, T]: a MoE expert's tokens (models/moe.py), narrowing ``valid`` as the engine does
     mlp = lambda w, _state, h, routed=None: plan.prefill(w, h, valid if routed is None else valid & routed)
-    run = lambda i, x: model.layers[i](x, cos, sin, valid, None, 0, mlp, None, None, i)[0]
+    run = lambda i, x: model.layers[i](x, *angles(i), valid, None, 0, mlp, None, None, i)[0]
     x_full = model.embed_tokens(tokens)
     x_skip = x_full
     inputs_skip, inputs_full = [], []
@@ -157,7 +165,7 @@ def layer_streams(model, tokens: jax.Array, valid: jax.Array, skip: tuple[int, .
         if i not in skip:
             x_skip = nxt if x_skip is x_full else run(i, x_skip)
         x_full = nxt
-    return inputs_skip, inputs_full, cos, sin
+    return inputs_skip, inputs_full, [angles(l) for l in skip]
 
 
 def _features(x: jax.Array, valid: jax.Array, with_bias: bool) -> jax.Array:
@@ -171,7 +179,7 @@ def _features(x: jax.Array, valid: jax.Array, with_bias: bool) -> jax.Array:
 def _normal_sums(graphdef, params, tokens, valid, skip):
     """-> ZᵀZ, ZᵀX̂, X̂ᵀX̂ [n_skip, d', d'] fp32 and Σ valid, for the batch."""
     model = nnx.merge(graphdef, params)
-    xs, xf, _, _ = layer_streams(model, tokens, valid, skip)
+    xs, xf, _ = layer_streams(model, tokens, valid, skip)
     bias = model.cfg.qkv_bias
     sums = {"zz": [], "zx": [], "xx": []}
     for l, s, f in zip(skip, xs, xf):

@@ -31,10 +31,9 @@ from flax import nnx
 
 from ...calibration import Corpus
 from .kv_calibration import KVCalibrationError, window_batches, layer_streams, original_kv
-from ...models.attention import MASKED
+from ...models.attention import MASKED, in_window
 from ...models.layers import group_kv
 from ...models.quant import dequantized
-from ...models.rope import apply_rope
 
 DEFAULT_TOKENS = 4096
 DEFAULT_STEPS = 100
@@ -58,21 +57,22 @@ def settings(window: int, steps: int = DEFAULT_STEPS, learning_rate: float = DEF
 
 
 def full_qkv(attn, xn: jax.Array, cos: jax.Array, sin: jax.Array):
-    """The layer's queries, keys (RoPE'd, qk-normed) and values from normalised input xn [B, T, d]."""
-    q, k, v = attn._project(xn)
-    if attn.cfg.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    """The layer's queries, keys (RoPE'd, qk-normed) and values from normalised input xn [B, T, d]
+    (cos, sin: the angles of the layer's kind): the attention's own projection."""
+    return attn.rotated_qkv(xn, cos, sin)
 
 
-def later_query_output(attn, q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array) -> jax.Array:
+def later_query_output(attn, q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, window: int | None = None) -> jax.Array:
     """Queries q [B, Q, n_q, h] of the last Q of T tokens attend causally to k, v [B, T, n_kv, h]
-    (valid keys [B, T]) -> the attention output after ``o``, fp32 [B, Q, d]."""
+    (valid keys [B, T]) -> the attention output after ``o``, fp32 [B, Q, d]. As the layer
+    attends: scores scaled by its ``attn.scale`` (Gemma's query_pre_attn_scalar^-½, else h^-½)
+    and, for a sliding-window layer (``window``: `ModelConfig.window` of the layer), only keys
+    less than ``window`` positions back."""
     B, Q, n_q, h = q.shape
     T, n_kv = k.shape[1], k.shape[2]
     qg = q.reshape(B, Q, n_kv, n_q // n_kv, h)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) * h**-0.5
-    allowed = jnp.arange(T)[None, :] <= (T - Q + jnp.arange(Q))[:, None]  # [Q, T]
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) * attn.scale
+    allowed = in_window((T - Q + jnp.arange(Q))[:, None], jnp.arange(T)[None, :], window)  # [Q, T]
     scores = jnp.where(allowed[None, None, None] & key_valid[:, None, None, None, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v.astype(jnp.float32)).reshape(B, Q, n_q * h)
@@ -84,18 +84,20 @@ def _attention_data(graphdef, params, tokens, valid, skip, prefix):
     """Per skipped layer (stacked [n, ...]): z (prefix inputs, prefill-only), the later tokens'
     full q, k, v, and the target attention output [n, B, Q, d] (full model everywhere)."""
     model = nnx.merge(graphdef, params)
-    xs, xf, cos, sin = layer_streams(model, tokens, valid, skip)
-    out = {"z": [], "q": [], "k": [], "v": [], "target": []}
-    for l, s, f in zip(skip, xs, xf):
+    xs, xf, angles = layer_streams(model, tokens, valid, skip)
+    out = {"z": [], "q": [], "k": [], "v": [], "target": [], "cos": [], "sin": []}
+    for l, s, f, (cos, sin) in zip(skip, xs, xf, angles):
         layer = model.layers[l]
         q, k, v = full_qkv(layer.attn, layer.attn_norm(f), cos, sin)
-        out["target"].append(later_query_output(layer.attn, q[:, prefix:], k, v, valid))
+        out["target"].append(later_query_output(layer.attn, q[:, prefix:], k, v, valid, model.cfg.window(l)))
         out["z"].append(layer.attn_norm(s)[:, :prefix])
         out["q"].append(q[:, prefix:])
         out["k"].append(k[:, prefix:])
         out["v"].append(v[:, prefix:])
+        out["cos"].append(cos[:, :prefix])  # the prompt keys' angles, of the layer's kind
+        out["sin"].append(sin[:, :prefix])
     data = {name: jnp.stack(arrays) for name, arrays in out.items()}
-    return {**data, "cos": cos[:, :prefix], "sin": sin[:, :prefix], "valid": valid}
+    return {**data, "valid": valid}
 
 
 def _loss(delta, graphdef, params, data, skip):
@@ -108,10 +110,10 @@ def _loss(delta, graphdef, params, data, skip):
         rows, bias_rows = attn.kv_rows()
         w = group_kv(rows.astype(jnp.float32) + delta["w"][i], cfg)
         b = group_kv(bias_rows.astype(jnp.float32) + delta["b"][i], cfg) if cfg.qkv_bias else None
-        kv = attn.project_kv(data["z"][i].astype(jnp.float32), data["cos"], data["sin"], weights=w, bias=b)
+        kv = attn.project_kv(data["z"][i].astype(jnp.float32), data["cos"][i], data["sin"][i], weights=w, bias=b)
         k = jnp.concatenate([kv.k, data["k"][i].astype(jnp.float32)], axis=1)
         v = jnp.concatenate([kv.v, data["v"][i].astype(jnp.float32)], axis=1)
-        err = (later_query_output(attn, data["q"][i], k, v, data["valid"]) - data["target"][i]) * later_valid
+        err = (later_query_output(attn, data["q"][i], k, v, data["valid"], cfg.window(l)) - data["target"][i]) * later_valid
         losses.append(jnp.sum(err * err) / jnp.maximum(jnp.sum((data["target"][i] * later_valid) ** 2), 1e-30))
     return jnp.mean(jnp.stack(losses))
 
