@@ -24,6 +24,7 @@ import contextlib
 import json
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -32,6 +33,7 @@ import numpy as np
 import popjax
 from popjax.bench.suites import time_generation
 from popjax.files import write_json_atomic
+from popjax.generation import GenerationRequest
 from popjax.models import decoder
 
 
@@ -72,13 +74,34 @@ def full_prompt_kv():
         jax.clear_caches()
 
 
+def decode_seconds(model, req: GenerationRequest, new_tokens: int) -> float:
+    """One run of the compiled decode loop, timed from a finished prefill: at a long context,
+    total − TTFT (what `time_generation` reports) is the difference of two large numbers, and
+    the prefill's noise swamps the decode."""
+    carry = jax.block_until_ready(req.start(model)[0])
+    start = time.perf_counter()
+    jax.block_until_ready(req.decode(model, carry, new_tokens)[0])
+    return time.perf_counter() - start
+
+
 def decode_vs_context(work: Path, contexts: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """Decode tokens/s after a prompt of each context length, the contexts' runs interleaved
+    (A B A B ...) so that drift of the machine's speed falls on all of them alike."""
     records = []
     for kind in ("sliding_attention", "full_attention"):
         model = random_gemma(work / kind, [kind] * 4, window=512)
-        for context in contexts:
-            stats = time_generation(model, popjax.Dense(), prompts(model.config.vocab_size, context), new_tokens, repeats)
-            records.append({"layers": f"4 x {kind}", "window": 512, "context": context, **stats})
+        reqs = {c: GenerationRequest.create(model, prompts(model.config.vocab_size, c), new_tokens, ignore_eos=True)
+                for c in contexts}
+        for c in contexts:  # compile
+            decode_seconds(model, reqs[c], new_tokens)
+        times = {c: [] for c in contexts}
+        for _ in range(repeats):
+            for c in contexts:
+                times[c].append(decode_seconds(model, reqs[c], new_tokens))
+        for c in contexts:
+            records.append({"layers": f"4 x {kind}", "window": 512, "context": c, "new_tokens": new_tokens,
+                            "decode_tokens_per_s": (new_tokens - 1) / float(np.median(times[c])),
+                            "runs_tokens_per_s": [(new_tokens - 1) / t for t in times[c]]})
         base = records[-len(contexts)]["decode_tokens_per_s"]
         for rec in records[-len(contexts):]:
             rec["decode_vs_shortest_context"] = rec["decode_tokens_per_s"] / base
@@ -91,12 +114,16 @@ def prefill_only_ttft(work: Path, prompt_tokens: int, repeats: int) -> list[dict
                          head_dim=256)
     batch = prompts(model.config.vocab_size, prompt_tokens)
     po = popjax.PrefillOnly()
-    records = [{"method": "dense", **time_generation(model, popjax.Dense(), batch, 8, repeats)},
-               {"method": "prefill-only (skipped sliding layers: K/V of the last window)",
-                **time_generation(model, po, batch, 8, repeats)}]
-    with full_prompt_kv():
-        records.append({"method": "prefill-only (skipped sliding layers: K/V of the whole prompt)",
-                        **time_generation(model, po, batch, 8, repeats)})
+    ttft = lambda method: time_generation(model, method, batch, 8, repeats)["ttft_s"]
+    runs = {"dense": [], "window": [], "whole": []}
+    for _ in range(2):  # alternate the variants (each switch recompiles), so drift falls on both alike
+        runs["dense"].append(ttft(popjax.Dense()))
+        runs["window"].append(ttft(po))
+        with full_prompt_kv():
+            runs["whole"].append(ttft(po))
+    labels = {"dense": "dense", "window": "prefill-only (skipped sliding layers: K/V of the last window)",
+              "whole": "prefill-only (skipped sliding layers: K/V of the whole prompt)"}
+    records = [{"method": labels[k], "ttft_s": float(np.median(v)), "runs_ttft_s": v} for k, v in runs.items()]
     for rec in records:
         rec["ttft_speedup_vs_dense"] = records[0]["ttft_s"] / rec["ttft_s"]
     records[1]["ttft_gain_vs_full_kv"] = records[2]["ttft_s"] / records[1]["ttft_s"]
@@ -109,9 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="results/gemma3/windows_cpu.json")
     parser.add_argument("--contexts", default="512,4096")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the Prefill-Only TTFT measurement")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
