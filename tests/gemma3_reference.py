@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 import pytest
 
@@ -30,15 +29,6 @@ SWEEP_MODEL = "gemma3-last-sliding"  # 3 layers (sliding, full, sliding), window
 PROMPT_LENGTHS = (13, 9)  # both longer than the window of 6
 N_TARGETS = 6  # decode steps, past the window again
 SKIP = (0, 2)  # the Prefill-Only layers of the sweep: both sliding layers
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    """Tiny models compile far longer than they run; XLA's optimisations buy nothing here."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 # ------------------------------------------------------------------ the NumPy Gemma 3

@@ -32,7 +32,7 @@ from popjax.generation import pad_batch
 from popjax.methods import METHODS, make_method
 from tests.reference import ref_gate, ref_sizes, silu
 from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP, SKIP, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data
-from tests.gemma3_reference import _fast_compiles, gemma  # noqa: F401 (the shared fixtures)
+from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
 
 
 CALIBRATED = ("teal", "cats", "wanda-sp", "flap")

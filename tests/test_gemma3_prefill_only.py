@@ -25,7 +25,7 @@ from popjax.generation import pad_batch
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from tests.conftest import random_prompts
 from tests.gemma3_reference import ATOL, SWEEP_MODEL, _ring_holds, calibration_corpus, log_softmax, run_reference, sweep_data
-from tests.gemma3_reference import _fast_compiles, gemma  # noqa: F401 (the shared fixtures)
+from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
 
 
 def test_prefill_only_skipped_sliding_layer_writes_its_window_into_the_ring(gemma):
