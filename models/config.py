@@ -181,8 +181,9 @@ class ModelConfig:
         weights = out.pop("weights")
         if weights != "float":
             out["popjax_weights"] = weights
-        for key, default in _GEMMA_DEFAULTS.items():  # unset: configs (and keys hashed from them) stay as they were
-            if out[key] == default:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in _OMITTED_AT_DEFAULT:  # unset: configs (and keys hashed from them) stay as they were
+            if out[key] == defaults[key]:
                 del out[key]
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
@@ -271,10 +272,9 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
 
-_GEMMA_DEFAULTS = {
-    "hidden_act": "silu", "layer_types": None, "sliding_window": None, "rope_local_theta": None,
-    "sandwich_norms": False, "embed_scale": False, "query_pre_attn_scalar": None, "final_logit_softcapping": None,
-}
+# fields added with Gemma 3, written by `to_hf_dict` only when they differ from their defaults
+_OMITTED_AT_DEFAULT = ("hidden_act", "layer_types", "sliding_window", "rope_local_theta", "sandwich_norms", "embed_scale",
+                       "query_pre_attn_scalar", "final_logit_softcapping")
 
 
 def _float_or_none(value: Any) -> float | None:

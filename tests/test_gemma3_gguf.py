@@ -9,25 +9,21 @@ import dataclasses
 import json
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from huggingface_hub import constants
 
 import popjax
-from popjax import cache, engine
+from popjax import cache
 from popjax.convert import CheckpointError, readers
-from popjax.eval.teacher import teacher_forced
-from popjax.generation import pad_batch
 from popjax.models import ConfigError
 from popjax.models.config import ModelConfig
-from tests.conftest import random_prompts
+from tests.test_parity import hf_logits, parity_errors
 from tests.gguf_files import dequantized_model, period_layer_types, tiny_gemma3, write_gemma3_gguf, write_metadata_only
 
 ATOL = 1e-4
-LENGTHS = (5, 9, 13)  # with 8 decode steps: up to 21 positions, past both windows (8 and 6)
-DECODE_STEPS = 8
+# tests/test_parity.py's protocol: prompts of 5, 9 and 13 tokens and 8 decode steps, up to 21
+# positions, past both windows (8 and 6)
 
 # name -> (Gemma3TextConfig fields on top of TINY_BASE, write_gemma3_gguf options). Only layer
 # patterns a GGUF can state: llama.cpp's period 6 (no key; 7 layers: 0-4 slide, 5 full, 6 slides),
@@ -78,35 +74,6 @@ def gguf_file(tiny, tmp_path_factory):
         return made[name, file_type]
 
     return get
-
-
-def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def parity_errors(model, hf_model) -> tuple[float, float]:
-    """Max |popjax - transformers| of (prefill logits of a left-padded batch of three prompts,
-    log-probs of 8 teacher-forced decode steps through the KV cache): the tests/test_parity.py
-    protocol. Prompts [B=3] of LENGTHS tokens, continuations [3, 8]."""
-    rng = np.random.default_rng(0)
-    prompts = random_prompts(rng, LENGTHS, model.config.vocab_size)
-    continuations = random_prompts(rng, [DECODE_STEPS] * len(prompts), model.config.vocab_size)
-    expected = [hf_logits(hf_model, p + c) for p, c in zip(prompts, continuations)]
-    tokens, mask = pad_batch(prompts, pad_id=0)
-    T = tokens.shape[1]
-    plan = popjax.Dense().bind(model.config)
-    logits, _, _, _ = engine.prefill(
-        model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), plan, all_logits=True
-    )
-    logits = np.asarray(logits)  # [3, T, V]
-    prefill = max(np.abs(logits[row, T - len(p):] - expected[row][: len(p)]).max() for row, p in enumerate(prompts))
-    _, logp = teacher_forced(model, popjax.Dense(), prompts, np.asarray(continuations), with_logprobs=True)
-    decode = max(
-        np.abs(logp[row] - torch.log_softmax(torch.tensor(expected[row][len(p) - 1 : len(p) - 1 + DECODE_STEPS]), -1).numpy()).max()
-        for row, p in enumerate(prompts)
-    )
-    return float(prefill), float(decode)
 
 
 def config_differences(a: ModelConfig, b: ModelConfig, skip=()) -> dict:

@@ -12,41 +12,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.conftest: the configs the suite checks
 
 import popjax  # noqa: E402
-from popjax import engine  # noqa: E402
-from popjax.eval.teacher import teacher_forced  # noqa: E402
 from popjax.files import write_json_atomic  # noqa: E402
-from popjax.generation import pad_batch  # noqa: E402
-from tests.conftest import make_tiny_checkpoint, random_prompts  # noqa: E402
+from tests.conftest import make_tiny_checkpoint  # noqa: E402
+from tests.test_parity import DECODE_STEPS, LENGTHS, parity_errors  # noqa: E402
 
 
-def parity(name: str, work: Path, lengths=(5, 9, 13), steps: int = 8) -> dict:
+def parity(name: str, work: Path) -> dict:
+    """tests/test_parity.py's protocol (`parity_errors`) on the unrolled and the scanned model."""
     hf = make_tiny_checkpoint(name, work / name)
-    out = {"config": name}
+    out = {"config": name, "prompt_lengths": list(LENGTHS), "decode_steps": DECODE_STEPS}
     for scan in (False, True):
         model = popjax.load(work / name, cache=False, scan_layers=scan)
-        rng = np.random.default_rng(0)
-        prompts = random_prompts(rng, lengths, model.config.vocab_size)
-        cont = random_prompts(rng, [steps] * len(prompts), model.config.vocab_size)
-        with torch.no_grad():
-            want = [hf(torch.tensor([p + c])).logits[0].numpy() for p, c in zip(prompts, cont)]
-        tokens, mask = pad_batch(prompts, pad_id=0)
-        logits = np.asarray(engine.prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask),
-                                           popjax.Dense().bind(model.config), all_logits=True)[0])
-        T = tokens.shape[1]
-        prefill = max(np.abs(logits[r, T - len(p):] - want[r][: len(p)]).max() for r, p in enumerate(prompts))
-        _, logp = teacher_forced(model, popjax.Dense(), prompts, np.asarray(cont), with_logprobs=True)
-        decode = max(np.abs(logp[r] - torch.log_softmax(torch.tensor(want[r][len(p) - 1: len(p) - 1 + steps]), -1).numpy()).max()
-                     for r, p in enumerate(prompts))
-        key = "scanned" if scan else "unrolled"
-        out[key] = {"prefill_max_abs_logit_diff": float(prefill), "decode_max_abs_logprob_diff": float(decode)}
-    out["window"], out["prompt_lengths"], out["decode_steps"] = model.config.sliding_window, list(lengths), steps
+        prefill, decode = parity_errors(model, hf)
+        out["scanned" if scan else "unrolled"] = {"prefill_max_abs_logit_diff": prefill, "decode_max_abs_logprob_diff": decode}
+    out["window"] = model.config.sliding_window
     return out
 
 

@@ -40,8 +40,8 @@ from popjax.models import decoder
 def random_gemma(directory: Path, layer_types: list[str], window: int, vocab: int = 8192, hidden: int = 512,
                  ffn: int = 2048, heads: int = 8, kv_heads: int = 4, head_dim: int = 64) -> popjax.LoadedModel:
     """A random transformers Gemma 3 saved to ``directory`` and loaded (fp32, unrolled)."""
-    import torch
-    import transformers
+    import torch  # heavy: torch and transformers only to make the random checkpoint
+    import transformers  # heavy: see above
 
     config = transformers.Gemma3TextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=len(layer_types),
