@@ -132,6 +132,11 @@ def _isolated_cache(tmp_path_factory):
     # died in a segfault inside XLA's executable serialisation (jax's put_executable_and_time ->
     # executable.serialize(), tests/test_scan.py's scanned decode loop, after other files ran in
     # the same worker), and xdist then hung on the dead worker. A slower suite beats a CI that hangs.
+    # The CLI turns the cache on for its process (popjax.cli.main): not in a test worker, where
+    # it would stay on for every later test (subprocess CLI runs keep it).
+    import popjax.cli
+
+    popjax.cli._enable_compilation_cache = lambda: None
     yield root
     if previous is None:
         os.environ.pop("POPJAX_CACHE", None)
