@@ -11,6 +11,13 @@ import pytest
 # Keep tests on one deterministic CPU device and out of the user's cache.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402  (after JAX_PLATFORMS, which jax reads when it starts)
+
+# Tiny models compile far longer than they run: XLA's optimisation passes buy nothing in a test
+# worker. Tests that read optimised HLO or its cost analysis ask for them back with
+# @pytest.mark.optimized_xla. Subprocesses (notebook kernels, CLI runs) keep JAX's default.
+jax.config.update("jax_disable_most_optimizations", True)
+
 TINY_BASE = dict(
     vocab_size=160,
     hidden_size=64,
@@ -92,6 +99,35 @@ def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
                     param.normal_(0, 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def pytest_configure(config):
+    """A worker that dies (a crash inside XLA) ends the run with its test failed: xdist's default,
+    a replacement worker, left a `--dist loadfile` run waiting forever for the dead worker's file."""
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "maxworkerrestart", None) is None:
+        config.option.maxworkerrestart = 0
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimisations(request):
+    """Full XLA optimisation for a test marked ``optimized_xla`` (fused int8 dots, cost analysis)."""
+    if request.node.get_closest_marker("optimized_xla") is None:
+        yield
+        return
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test file. XLA:CPU maps a handful of memory
+    regions per executable it keeps; a worker that held every program of the suite reached the
+    kernel's limit on mappings (vm.max_map_count, 65530) and segfaulted inside the next compile."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -39,15 +39,6 @@ CONFIGS = {
 PROMPTS = {"qwen2_moe": [[5, 6, 7, 8, 9], [10, 11, 12]], "qwen3_moe": [[5, 6, 7, 8]]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    """Tiny models compile far longer than they run; XLA's optimisations buy nothing here."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def _build(kind: str, seed: int = 0):
     """A random model (float32) and its HF-layout weights (float64 numpy)."""
     cfg = ModelConfig.from_hf_dict({"model_type": kind, **BASE, **CONFIGS[kind]})

@@ -86,6 +86,7 @@ def test_pruned_methods_differ_and_order_as_expected(tiny_model):
     assert errors["dynamic"] < errors["pop"] < errors["static"]
 
 
+@pytest.mark.optimized_xla  # the overhead is of the optimised programs users run
 def test_xla_cost_analysis_overhead_within_four_percent():
     cfg = ModelConfig.from_hf_dict(SMOLLM2)
     dense_ffn = analytic_ffn_flops(cfg, popjax.Dense().bind(cfg))
