@@ -164,15 +164,14 @@ def _isolated_cache(tmp_path_factory):
         (root / part).symlink_to(shared / part, target_is_directory=True)
     previous = os.environ.get("POPJAX_CACHE")
     os.environ["POPJAX_CACHE"] = str(root)
-    # No persistent compilation cache: with it, two of three full runs (one from a fresh clone)
-    # died in a segfault inside XLA's executable serialisation (jax's put_executable_and_time ->
-    # executable.serialize(), tests/test_scan.py's scanned decode loop, after other files ran in
-    # the same worker), and xdist then hung on the dead worker. A slower suite beats a CI that hangs.
-    # The CLI turns the cache on for its process (popjax.cli.main): not in a test worker, where
-    # it would stay on for every later test (subprocess CLI runs keep it).
-    import popjax.cli
-
-    popjax.cli._enable_compilation_cache = lambda: None
+    # One persistent compilation cache for the run: both xdist workers, and the notebook kernels
+    # and CLI subprocesses they start (through the environment; the CLI keeps a folder already
+    # set), reuse what another one compiled.
+    # Never one from an earlier run: a fresh folder under this run's base temporary directory.
+    base = tmp_path_factory.getbasetemp()
+    compiled = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-compilation-cache"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compiled)
+    jax.config.update("jax_compilation_cache_dir", str(compiled))
     yield root
     if previous is None:
         os.environ.pop("POPJAX_CACHE", None)

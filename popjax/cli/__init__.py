@@ -29,8 +29,10 @@ __all__ = ["COMMANDS", "add_method_args", "build_parser", "main", "method_from_a
 
 
 def _enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache: a second CLI run skips most XLA compile time."""
-    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    """JAX's persistent compilation cache: a second CLI run skips most XLA compile time. A folder
+    the user chose (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept; else POPJAX_CACHE/jax."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
