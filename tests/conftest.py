@@ -104,13 +104,13 @@ def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
 def pytest_configure(config):
     """A worker that dies (a crash inside XLA) ends the run with its test failed: xdist's default,
     a replacement worker, left a `--dist loadfile` run waiting forever for the dead worker's file."""
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "maxworkerrestart", None) is None:
+    if config.pluginmanager.hasplugin("xdist") and config.option.maxworkerrestart is None:  # not given
         config.option.maxworkerrestart = 0
 
 
 @pytest.fixture(autouse=True)
 def _xla_optimisations(request):
-    """Full XLA optimisation for a test marked ``optimized_xla`` (fused int8 dots, cost analysis)."""
+    """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs' cost)."""
     if request.node.get_closest_marker("optimized_xla") is None:
         yield
         return
