@@ -1,6 +1,6 @@
 """popjax.cache: keyed atomic entries, verification, sweeping of dead builders, list/clear.
 
-No JAX: popjax/cache.py is loaded by its path, here and in the subprocesses, as the bottom layer
+No JAX: the package popjax/cache/ is loaded by its path, here and in the subprocesses, as the bottom layer
 it is (importing nothing of popjax), so a child process starts in a fraction of a second."""
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ from pathlib import Path
 
 import pytest
 
-CACHE_PY = Path(__file__).resolve().parents[1] / "popjax" / "cache.py"
+CACHE_DIR = Path(__file__).resolve().parents[1] / "popjax" / "cache"
 LOAD = (
     "import importlib.util, sys\n"
-    f"spec = importlib.util.spec_from_file_location('popjax_cache_under_test', {str(CACHE_PY)!r})\n"
+    f"spec = importlib.util.spec_from_file_location('popjax_cache_under_test', {str(CACHE_DIR / '__init__.py')!r}, "
+    f"submodule_search_locations=[{str(CACHE_DIR)!r}])\n"
     "cache = importlib.util.module_from_spec(spec); sys.modules[spec.name] = cache; spec.loader.exec_module(cache)\n"
 )
-_spec = importlib.util.spec_from_file_location("popjax_cache_under_test", CACHE_PY)
+# the package popjax/cache/ under its own name: its relative imports resolve inside it, not popjax
+_spec = importlib.util.spec_from_file_location("popjax_cache_under_test", CACHE_DIR / "__init__.py",
+                                               submodule_search_locations=[str(CACHE_DIR)])
 cache = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = cache  # dataclasses look their module up there
 _spec.loader.exec_module(cache)
@@ -48,7 +51,7 @@ def temp_dirs(kind_dir: Path) -> list[str]:
 
 
 def run_child(body: str, root: Path, *args: str) -> subprocess.Popen:
-    """A python process with this checkout's cache.py loaded as ``cache`` (no popjax import)."""
+    """A python process with this checkout's popjax/cache/ loaded as ``cache`` (no popjax import)."""
     prelude = f"import time, os; from pathlib import Path\n{LOAD}root = Path({str(root)!r})\n"
     return subprocess.Popen([sys.executable, "-c", prelude + body, *args], stdout=subprocess.PIPE, text=True)
 
@@ -118,7 +121,7 @@ def test_corrupt_entry_warns_once_and_is_made_again(tmp_path, caplog, damage):
 
 
 def test_manifest_verification_for_large_entries(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache, "FULL_VERIFY_MAX_BYTES", 10)  # every entry here counts as large
+    monkeypatch.setattr(cache.entries, "FULL_VERIFY_MAX_BYTES", 10)  # every entry here counts as large
     path = cache.get_or_make("converted", FIELDS, writer(b"z" * 4096), root=tmp_path)
     data = path / "sub" / "data.bin"
     recorded = data.stat().st_mtime_ns
@@ -203,7 +206,7 @@ def test_sweep_without_a_lock_uses_pid_and_age(tmp_path):
 
 CONCURRENT_CHILD = """
 if sys.argv[1] == "nolock":
-    cache.fcntl = None  # no flock (some network filesystems): both make it, the rename decides
+    cache.entries.fcntl = None  # no flock (some network filesystems): both make it, the rename decides
 go = root / "go"
 def make(d):
     print("made", flush=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from popjax import cache, calibration, data
+from popjax import corpus as corpus_module
 from popjax.calibration import CalibrationError, Corpus, Statistic, calibrate, collect, histogram_quantile
 
 TEXT = (
@@ -126,7 +127,7 @@ def test_text_file_corpus(tmp_path):
 def test_shakespeare_corpus_leaves_out_the_held_out_and_dev_plays(monkeypatch):
     loaded = []
     real = data.load_play
-    monkeypatch.setattr(calibration, "load_play", lambda name: loaded.append(name) or real(name))
+    monkeypatch.setattr(corpus_module, "load_play", lambda name: loaded.append(name) or real(name))
     corpus = calibration.shakespeare_corpus(ByteTokenizer(), n_tokens=4096, window=64)
     assert corpus.windows.shape == (64, 64)
     assert loaded and data.HELD_OUT_PLAY not in loaded and data.DEV_PLAY not in loaded
