@@ -1,7 +1,7 @@
 """Scale-out (popjax.sharding): logical axes, the rules table, mesh errors, POP's per-shard
 partition against a NumPy reference, and — in ONE subprocess with 8 fake CPU devices — every
-method's tokens and log-probabilities on meshes (8, 1), (1, 8), (2, 4) against one device, plus
-the collectives of the compiled decode step.
+method's tokens and log-probabilities on meshes (1, 8), (2, 4) (and (8, 1) where a method reduces
+over rows) against one device, plus the collectives of the compiled decode step.
 
 Run: ``python -m pytest -q tests/test_sharding.py``; the 8-device worker alone:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/test_sharding.py``.
@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 MESHES = ((8, 1), (1, 8), (2, 4))
+# (8, 1) splits only the batch: it can break only what a method computes across rows (POP's
+# shared scores, per-sequence selections); (1, 8) and (2, 4) split the channels as well.
+BATCH_ONLY_METHODS = ("dense", "pop-shared", "pop-per_sequence")
 ATOL = 1e-5
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 NEW_TOKENS = 8
@@ -298,6 +301,11 @@ WORKER_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimiza
                 "--xla_llvm_disable_expensive_passes=true")  # fewer LLVM passes: compiles dominate the run
 
 
+def core_meshes(name: str) -> tuple[tuple[int, int], ...]:
+    """The meshes a core method runs on: all three for those that reduce over rows."""
+    return MESHES if name in BATCH_ONLY_METHODS else MESHES[1:]
+
+
 def core_methods():
     import popjax
 
@@ -351,14 +359,31 @@ def _teacher(model, plan, tokens, mask, targets, data=None):
         return np.asarray(logp)
 
 
-def _decode_step_hlo(model, method) -> str:
+def compiled_start(model, method):
+    """The request for PROMPTS, the carry after its prefill and the compiled prefill's HLO text.
+    The prefill runs from the executable whose HLO is read, so it compiles once; the decode-step
+    and method-state checks below share it."""
     import jax.numpy as jnp
 
     from popjax import engine, sharding
     from popjax.generation import GenerationRequest
 
     req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
-    carry, _ = req.start(model)
+    with sharding.use_mesh(model):
+        args = (req.tokens, req.mask, req.key, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
+        compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity,
+                                      data=req.data).compile()
+        carry, _ = compiled(model.params, *args, data=req.data)
+    return req, carry, compiled.as_text()
+
+
+def _decode_step_hlo(model, started) -> str:
+    """The compiled decode step's HLO text after ``started = compiled_start(model, method)``."""
+    import jax.numpy as jnp
+
+    from popjax import engine, sharding
+
+    req, carry, _ = started
     with sharding.use_mesh(model):
         lowered = engine.stream_step.lower(model.graphdef, model.params, req.plan, carry, req.sampling,
                                            jnp.asarray(req.stops), jnp.int32(req.pad_id), data=req.data)
@@ -372,22 +397,12 @@ def largest_all_gather(hlo: str) -> int:
     return max((n for _, n in sharding.collective_operands(hlo, "all-gather")), default=0)
 
 
-def method_state_after_prefill(model, method) -> dict:
-    """The prefill's method states: bytes in all and held by one device, and the largest
-    all-gather of the compiled prefill (elements). The prefill runs from the executable whose
-    HLO is read, so it compiles once."""
+def method_state_after_prefill(model, started) -> dict:
+    """The prefill's method states after ``started = compiled_start(model, method)``: bytes in
+    all and held by one device, and the largest all-gather of the compiled prefill (elements)."""
     import jax
-    import jax.numpy as jnp
 
-    from popjax import engine, sharding
-    from popjax.generation import GenerationRequest
-
-    req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
-    with sharding.use_mesh(model):
-        args = (req.tokens, req.mask, req.key, req.sampling, jnp.asarray(req.stops), jnp.int32(req.pad_id))
-        compiled = engine.start.lower(model.graphdef, model.params, req.plan, *args, capacity=req.capacity,
-                                      data=req.data).compile()
-        carry, _ = compiled(model.params, *args, data=req.data)
+    _, carry, prefill_hlo = started
     leaves = jax.tree_util.tree_leaves_with_path(carry.state.method_states)
     one_device = lambda a: a.addressable_shards[0].data.nbytes
     replicated = [(path[-1].key, a) for path, a in leaves if one_device(a) == a.nbytes]
@@ -396,7 +411,7 @@ def method_state_after_prefill(model, method) -> dict:
             "replicated_bytes": sum(a.nbytes for _, a in replicated),
             # weight copies: leaves with a hidden-size (d) axis
             "replicated_weights": sorted({name for name, a in replicated if model.config.hidden_size in a.shape}),
-            "prefill_largest_all_gather": largest_all_gather(compiled.as_text())}
+            "prefill_largest_all_gather": largest_all_gather(prefill_hlo)}
 
 
 def restore_straight_into_shardings(cfg, tree, placed) -> dict:
@@ -435,10 +450,15 @@ def restore_straight_into_shardings(cfg, tree, placed) -> dict:
     return out
 
 
+INT8_METHODS = ("dense", "static", "pop-shared", "pop-per_shard")
+
+
 def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
     """The int8 model of ``tree`` on one device and on meshes (1, 8), (2, 4): each scale's
-    sharding against its weight's (equal on every axis but the weight's input axis), and the
-    core methods' log-probabilities."""
+    sharding against its weight's (equal on every axis but the weight's input axis), and on the
+    (2, 4) mesh the log-probabilities of the methods that read int8 rows split over the model
+    axis (the whole weights, kept rows, per-shard blocks). The per-sequence gather of int8 rows
+    is test_int8.py's, on one device; its split is the float model's, above."""
     import dataclasses
 
     from flax import nnx
@@ -460,14 +480,12 @@ def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
             out["scales_checked"] += 1
             if pad(w_spec)[:-1] != pad(s_spec)[:-1] or pad(s_spec)[-1] is not None:
                 out["scales_split_unlike_weights"].append([path, str(w_spec), str(s_spec)])
-    for name, method in core_methods().items():
-        plan = method.bind(cfg8)
+    for name in INT8_METHODS:
+        plan = core_methods()[name].bind(cfg8)
         want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
-        out["methods"][name] = {}
-        for shape in meshes:
-            got = _teacher(sharded[shape], plan, tokens, mask, targets)[: len(PROMPTS)]
-            out["methods"][name][str(shape)] = {"max_abs_logprob_diff": float(np.abs(got - want).max()),
-                                                "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
+        got = _teacher(sharded[(2, 4)], plan, tokens, mask, targets)[: len(PROMPTS)]
+        out["methods"][name] = {"(2, 4)": {"max_abs_logprob_diff": float(np.abs(got - want).max()),
+                                           "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}}
     return out
 
 
@@ -490,9 +508,10 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     sharded = {shape: build_model(cfg, tree, None, "tiny", "float32", sharding.make_mesh(shape)) for shape in MESHES}
     tokens, mask = pad_batch(PROMPTS, 0, min_rows=8)  # 8 rows: the (8, 1) mesh splits the batch 8 ways
     results = {"devices": len(jax.devices()), "methods": {}, "collectives": {}, "generate": {}}
-    runs = [(name, m, MESHES) for name, m in core_methods().items()]
+    runs = [(name, m, core_meshes(name)) for name, m in core_methods().items()]
+    others = other_methods(single)  # calibrated once: the runs below and the split-copy checks share them
     if all_methods:  # the (2, 4) mesh splits the batch and the channels at once: what a mesh can break
-        runs += [(name, m.prepare(single), ((2, 4),)) for name, m in other_methods(single).items()]
+        runs += [(name, m.prepare(single), ((2, 4),)) for name, m in others.items()]
     # registry names covered (a composite counts for its FFN method too)
     results["registry_names"] = sorted({n for _, m, _ in runs for n in (m.name, m.ffn_method.name if m.layer_level else m.name)})
     targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
@@ -515,20 +534,21 @@ def worker(out_path: str, all_methods: bool = False) -> None:
     split_copies = {name: core_methods()[name]
                     for name in ("static", "pop-shared", "pop-per_sequence", "pop-per_shard")}
     split_copies["bwap"] = popjax.BWAP(0.3)
-    others = other_methods(single)
     split_copies.update({name: others[name] for name in ("wanda-sp", "pop-gate", "pop-bands")})
     split_copies["pop-lowrank"] = others["pop-lowrank"].prepare(single)
     step_methods = {**core_methods(), **split_copies,
                     "pop-per_shard-gather": popjax.POP(0.3, partition="per_shard", shards=8, weights="gather")}
-    for name in ("dense", "static", "pop-shared", "pop-per_shard", "bwap", "pop-per_shard-gather"):
-        hlo = _decode_step_hlo(sharded[(1, 8)], step_methods[name])
+    hlo_methods = ("dense", "static", "pop-shared", "pop-per_shard", "bwap", "pop-per_shard-gather")
+    started = {name: compiled_start(sharded[(1, 8)], step_methods[name]) for name in dict.fromkeys([*hlo_methods, *split_copies])}
+    for name in hlo_methods:
+        hlo = _decode_step_hlo(sharded[(1, 8)], started[name])
         results["collectives"][name] = {
             "counts": sharding.count_collectives(hlo),
             "largest_all_gather": largest_all_gather(hlo),
             "weight_threshold_elements": weight_elements,
         }
-    results["state_after_prefill"] = {name: method_state_after_prefill(sharded[(1, 8)], method)
-                                      for name, method in split_copies.items()}
+    results["state_after_prefill"] = {name: method_state_after_prefill(sharded[(1, 8)], started[name])
+                                      for name in split_copies}
     results["restore"] = restore_straight_into_shardings(cfg, tree, sharded[(1, 8)])
     results["int8"] = int8_on_meshes(cfg, tree, tokens, mask, targets)
     results["cpu_seconds"] = time.process_time() - start
@@ -570,23 +590,24 @@ def test_eight_devices_other_methods(eight_devices):
     assert set(other_methods(None)) <= set(eight_devices["methods"])
     assert set(METHODS) <= set(eight_devices["registry_names"]), sorted(set(METHODS) - set(eight_devices["registry_names"]))
     for name, entry in eight_devices["methods"].items():
-        assert set(entry) == ({str(shape) for shape in MESHES} if name in core_methods() else {"(2, 4)"}), (name, entry)
+        assert set(entry) == ({str(shape) for shape in core_meshes(name)} if name in core_methods() else {"(2, 4)"}), (name, entry)
     check_methods(eight_devices)
 
 
 def test_eight_devices_int8_weights(eight_devices):
     """An int8 model (models/quant.py) on meshes (1, 8) and (2, 4): every scale is split like
-    the output axes of its weight, and dense, static and POP (shared, per sequence, per shard)
-    give one device's log-probabilities and greedy choices."""
+    the output axes of its weight, and dense, static and POP (shared, per shard) give one
+    device's log-probabilities and greedy choices on the (2, 4) mesh."""
     int8 = eight_devices["int8"]
     assert int8["scales_checked"] >= 8 and not int8["scales_split_unlike_weights"], int8
-    assert set(int8["methods"]) == set(core_methods())
+    assert set(int8["methods"]) == set(INT8_METHODS)
     check_methods({"methods": int8["methods"]})
 
 
 def test_eight_devices_match_one_device(eight_devices):
     """Dense, static and POP (shared, per sequence, per shard) give the log-probabilities and
-    greedy choices of one device on meshes (8, 1), (1, 8), (2, 4); the compiled decode step
+    greedy choices of one device on meshes (1, 8) and (2, 4), and those that reduce over rows on
+    (8, 1) as well (`BATCH_ONLY_METHODS`); the compiled decode step
     moves no weights and, but for the global partition's scores, no activations between devices
     (nor do BWAP's, or per-shard POP's with weights="gather", which gathers
     its rows from the model's [2, f, d] gate/up at every step: each shard from its own block)."""
