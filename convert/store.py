@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
+from .. import distributed
 from ..models.config import ModelConfig
 from .fused import fuse_checkpoint
 
@@ -61,13 +64,27 @@ def write_into(
     import orbax.checkpoint as ocp  # heavy: orbax (and its tensorstore) only when writing
 
     directory = Path(directory)
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp))
     checkpointer.save(directory.resolve() / "params", fuse_checkpoint(cfg, params))
     checkpointer.wait_until_finished()
     (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
     has_tokenizer = save_tokenizer(directory / "tokenizer")
     marker = dict(meta, format_version=FORMAT_VERSION, tokenizer=has_tokenizer)
     (directory / MARKER).write_text(json.dumps(marker, indent=1))
+
+
+def _this_process_only(ocp):
+    """Orbax's options for a save by this process alone. In a multi-host run orbax would
+    otherwise make the save collective (every process waiting at its barriers), but a
+    conversion is process 0 filling one directory while the others wait for it (`popjax.load`).
+    Orbax writes NumPy leaves on process 0 only, so any other process refuses to write."""
+    if not distributed.is_initialized():
+        return ocp.options.MultiprocessingOptions()
+    if jax.process_index() != 0:
+        raise ValueError(f"process {jax.process_index()} of a multi-host run cannot write a converted checkpoint "
+                         "(orbax writes host arrays from process 0 only); convert on process 0, or before the run "
+                         "with `popjax convert SOURCE DIR` on each host")
+    return ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}, barrier_sync_key_prefix="popjax-convert")
 
 
 def write_converted(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine, sharding
+from . import distributed, engine, sharding
 from .loaded import LoadedModel
 from .methods import Method, prepared
 from .sampling import SamplingParams
@@ -213,17 +213,18 @@ def generate_ids(
     carry, prefill_aux = req.start(model, with_aux=return_trace)
     partition = None
     if return_trace:  # read before the decode loop consumes (donates) the carry
-        partition = jax.tree_util.tree_map(np.asarray, engine.stacked_method_states(carry.state))
+        partition = distributed.to_host(engine.stacked_method_states(carry.state))
     out, steps, records, _ = req.decode(model, carry, max_new_tokens, trace=return_trace)
-    out = np.asarray(out)[: req.batch, :max_new_tokens]
+    # to_host: on a mesh over several processes, every process reads the same global tokens
+    out = distributed.to_host(out)[: req.batch, :max_new_tokens]
     results = [req.until_stop(row) for row in out.tolist()]
     trace = None
     if return_trace:
-        n = int(steps) - 1
+        n = int(distributed.to_host(steps)) - 1
         trace = {
-            "prefill": jax.tree_util.tree_map(np.asarray, prefill_aux),
+            "prefill": distributed.to_host(prefill_aux),
             "partition": partition,
-            "decode": jax.tree_util.tree_map(lambda a: np.asarray(a[:n]), records),
+            "decode": jax.tree_util.tree_map(lambda a: a[:n], distributed.to_host(records)),
         }
     return results, trace
 
@@ -253,11 +254,11 @@ def stream_ids(
     the decode loop's own step jitted alone, so the tokens equal ``generate_ids``'."""
     req = GenerationRequest.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
     carry, _ = req.start(model)
-    pending = np.asarray(carry.token)  # read before the first step consumes the carry
+    pending = distributed.to_host(carry.token)  # read before the first step consumes the carry
     for produced in range(1, max_new_tokens + 1):
         if produced < max_new_tokens:  # queue the next step before reading this token, so
             carry, upcoming = req.step(model, carry)  # the device never waits for the host
-        token = int(pending[0])
+        token = int(distributed.to_host(pending)[0])  # the same token on every process
         if not req.until_stop([token]):
             return
         yield token
@@ -372,4 +373,5 @@ def forward(
         logits, _, _, _ = engine.prefill(
             model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True, data=method.data(model)
         )
-    return logits[: ids.shape[0], pad:]
+    # on a mesh over several processes, replicated: np.asarray reads the same logits on every process
+    return distributed.replicated(logits[: ids.shape[0], pad:])

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .cache import get_or_make
+from . import distributed
+from .cache import get_or_make, lookup
 from .convert import convert as conv
 from .convert.default_model import DEFAULT_MODEL, default_gguf_path
 from .convert.fused import fuse_checkpoint
@@ -130,9 +131,7 @@ def converted_entry(kind: str, path: Path, dtype: str, weights: str = "float") -
     leaves no entry). Keyed by the source's resolved path, its files' sizes and mtimes, the
     dtype and the weight format."""
     path = path.resolve()  # a stable key through links (the tests share the user's conversions)
-    key = {"format": FORMAT_VERSION, "dtype": dtype, "source": str(path), "files": source_key(_source_files(kind, path), dtype)}
-    if weights != "float":  # float keys stay as they were (existing cache entries remain valid)
-        key["weights"] = weights
+    key, name = _entry_key(kind, path, dtype, weights)
 
     def make(directory: Path) -> None:
         log.warning("converting %s once into the popjax cache (%s)", path, directory.parent)
@@ -140,8 +139,42 @@ def converted_entry(kind: str, path: Path, dtype: str, weights: str = "float") -
         meta = {"source": str(path), "kind": kind, "dtype": dtype, "weights": weights}
         write_into(directory, converted.config, converted.params, _tokenizer_saver(kind, path), meta)
 
+    return get_or_make("converted", key, make, name=name)
+
+
+def _entry_key(kind: str, path: Path, dtype: str, weights: str) -> tuple[dict[str, Any], str]:
+    """-> (key fields, readable name) of the cache entry of a resolved source path."""
+    key = {"format": FORMAT_VERSION, "dtype": dtype, "source": str(path), "files": source_key(_source_files(kind, path), dtype)}
+    if weights != "float":  # float keys stay as they were (existing cache entries remain valid)
+        key["weights"] = weights
     suffix = "" if weights == "float" else f"-{weights}"
-    return get_or_make("converted", key, make, name=f"{_readable_name(path)}-{dtype}{suffix}")
+    return key, f"{_readable_name(path)}-{dtype}{suffix}"
+
+
+CONVERT_TIMEOUT_S = 4 * 3600  # how long the other hosts wait for process 0's conversion (a 70B: tens of minutes)
+
+
+def converted_once(kind: str, path: Path, dtype: str, weights: str = "float") -> Path:
+    """`converted_entry`, in a multi-host run made by process 0 alone while the others wait
+    (at most ``CONVERT_TIMEOUT_S``) and then read the same entry: the hosts share one popjax
+    cache (``POPJAX_CACHE`` on shared storage). Hosts without a shared cache convert before
+    the run (`convert_source`, ``popjax convert``) and load that directory; a process that
+    does not see process 0's entry says so. One process: `converted_entry` itself."""
+    if not distributed.is_initialized() or jax.process_count() == 1:
+        return converted_entry(kind, path, dtype, weights)
+    made = converted_entry(kind, path, dtype, weights) if distributed.is_main() else None
+    distributed.barrier(f"converted:{path.name}:{dtype}:{weights}", CONVERT_TIMEOUT_S)
+    if made is not None:
+        return made
+    key, name = _entry_key(kind, path.resolve(), dtype, weights)
+    found = lookup("converted", key, name=name)
+    if found is None:
+        raise CheckpointError(
+            f"process {jax.process_index()} does not see the cache entry that process 0 converted {path} into "
+            "(the hosts do not share POPJAX_CACHE); put the cache on shared storage, or convert on every host "
+            "first with `popjax convert SOURCE DIR` and load DIR"
+        )
+    return found
 
 
 def _readable_name(path: Path) -> str:
@@ -217,7 +250,7 @@ def load(
         cfg = with_activations(converted.config, activations)
         return build_model(cfg, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
     else:
-        directory = converted_entry(kind, path, dtype, weights or "float")
+        directory = converted_once(kind, path, dtype, weights or "float")
     sharding_of = None
     if mesh is not None:
         sharding.check_mesh(ModelConfig.from_json(directory / "config.json"), mesh)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import popjax
-from popjax.analysis.memory_plan import memory_plan, parse_mesh, published_configs, resolve_config
+from popjax.analysis.memory_plan import check_hosts, memory_plan, parse_mesh, published_configs, resolve_config
 from popjax.models.config import ConfigError, ModelConfig
 from popjax.generation import GenerationRequest
 from popjax.sharding import make_mesh
@@ -89,7 +89,8 @@ def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
     out = tmp_path / "plan.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "2x2", "--batch", "2",
-           "--context", "64", "--prompt", "16", "--dtype", "float32", "--method", "pop", "--ratio", "0.3", "--json", str(out)]
+           "--context", "64", "--prompt", "16", "--dtype", "float32", "--method", "pop", "--ratio", "0.3", "--hosts", "4",
+           "--json", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(out.read_text())
@@ -100,6 +101,12 @@ def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
     assert plan["xla_per_device"]["weights"] < 0.6 * single["xla_per_device"]["weights"]
     assert plan["xla_per_device"]["kv_cache"] == single["xla_per_device"]["kv_cache"] // 4  # batch/2, kv heads/2
     assert "decode peak" in result.stdout
+    # four hosts of one chip each: a host reads only its chip's blocks (about half the weights
+    # with model=2) while loading; converting holds the whole model on process 0
+    hosts = plan["per_host"]
+    assert (hosts["hosts"], hosts["chips_per_host"]) == (4, 1)
+    assert 0.4 * hosts["host_ram_converting"] < hosts["host_ram_loading"] < 0.6 * hosts["host_ram_converting"]
+    assert "host RAM loading" in result.stdout
 
 
 def test_bad_input_fails_clearly(config_file, tmp_path):
@@ -114,6 +121,8 @@ def test_bad_input_fails_clearly(config_file, tmp_path):
     cfg = resolve_config(str(config_file))
     with pytest.raises(ValueError, match="context"):
         memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 64)
+    with pytest.raises(ValueError, match=r"--hosts 3 must be a positive divisor of the mesh's 4 devices \(valid: \[1, 2, 4\]\)"):
+        check_hosts(3, 4)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "1x3", "--context", "64"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -150,7 +150,7 @@ def _layer_extrapolated_cost(cfg: ModelConfig, mesh, method, batch: int, prompt:
 
 
 def memory_plan(cfg: ModelConfig, mesh, method, batch: int, context: int, prompt: int | None = None,
-                dtype: str = "bfloat16", scan_layers: bool = False) -> dict[str, Any]:
+                dtype: str = "bfloat16", scan_layers: bool = False, hosts: int = 1) -> dict[str, Any]:
     """Per-device memory and per-step cost of generating with ``method`` on ``mesh``.
 
     ``context`` is the KV-cache capacity (prompt + generated tokens, an engine capacity bucket);
@@ -161,9 +161,11 @@ rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanne
     compile in minutes; configs the scanned model refuses (per-layer widths, mixed MoE layers)
     raise its ValueError. Memory figures are then the scanned programs'; the decode-step cost is
     extrapolated from unrolled 1- and 2-layer compiles (``_layer_extrapolated_cost``: XLA counts
-    a scan's body once). Returns a JSON-ready dict."""
+    a scan's body once). ``hosts``: the mesh's devices split over that many processes
+    (`host_memory`). Returns a JSON-ready dict."""
     if scan_layers:
         check_scannable(cfg)  # before any compile: the scanned model's own error
+    check_hosts(hosts, mesh.size)
     if batch < 1 or context < 2:
         raise ValueError(f"batch={batch} must be ≥ 1 and context={context} ≥ 2")
     if prompt is None:  # half the context, or more when the rest exceeds the largest capacity bucket
@@ -214,7 +216,36 @@ rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanne
         "sliding_window": cfg.sliding_window, "sliding_layers": len(cfg.sliding_layers),
         "dtype": dtype, "weights": cfg.weights, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
         "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": step_cost,
+        **({"per_host": host_memory(params, mesh, hosts, weight_bytes)} if hosts > 1 else {}),
     }
+
+
+def check_hosts(hosts: int, devices: int) -> None:
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or devices % hosts:
+        raise ValueError(f"--hosts {hosts} must be a positive divisor of the mesh's {devices} devices "
+                         f"(valid: {[h for h in range(1, devices + 1) if devices % h == 0]})")
+
+
+def host_memory(params: Any, mesh, hosts: int, weight_bytes: int) -> dict[str, Any]:
+    """Per host of a multi-host run over ``mesh``, each host owning a contiguous 1/hosts of its
+    devices (JAX lists a multi-process run's devices process by process): its chips, and the
+    host RAM its process needs while ``popjax.load`` restores a converted directory: the
+    distinct blocks its own devices hold (orbax reads only those; a block several of its chips
+    replicate is read once), largest over the hosts. Converting a source instead (process 0,
+    once) holds the whole model in host RAM. ``params``: ShapeDtypeStructs with shardings."""
+    devices = list(mesh.devices.flat)
+    per = len(devices) // hosts
+    ram = []
+    for h in range(hosts):
+        mine = set(devices[h * per : (h + 1) * per])
+        total = 0
+        for leaf in jax.tree_util.tree_leaves(params):
+            blocks = {tuple((s.start, s.stop) for s in index)
+                      for device, index in leaf.sharding.devices_indices_map(leaf.shape).items() if device in mine}
+            block = math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+            total += len(blocks) * block
+        ram.append(total)
+    return {"hosts": hosts, "chips_per_host": per, "host_ram_loading": max(ram), "host_ram_converting": weight_bytes}
 
 
 def fits(plan: dict[str, Any], device_bytes: int) -> bool:
@@ -246,6 +277,14 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{a['bytes_per_decode_step'] / GiB:.3f} GiB"
         + (" (XLA's: unrolled 1- and 2-layer steps extrapolated to all layers)" if p.get("scan_layers") else ""),
     ]
+    if "per_host" in p:
+        h = p["per_host"]
+        lines += [
+            f"per host ({h['hosts']} hosts × {h['chips_per_host']} chips): device memory per chip as above (decode peak "
+            f"{g(x['decode_peak']).strip()} GiB, prefill peak {g(x['prefill_peak']).strip()} GiB)",
+            f"  host RAM loading   {g(h['host_ram_loading'])}   (the distinct blocks this host's chips hold, read from a converted directory)",
+            f"  host RAM converting{g(h['host_ram_converting'])}   (process 0 alone, once: the whole model)",
+        ]
     return "\n".join(lines)
 
 

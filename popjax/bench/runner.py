@@ -64,6 +64,7 @@ class BenchSettings:
     prompt_lengths: Sequence[int] = (128, 512, 2048)
     length_methods: Sequence[str] = ("pop",)
     length_new_tokens: int = 32
+    mesh: Any = None  # a popjax.sharding.make_mesh mesh (a multi-host run's global mesh), None: one device
 
     def __post_init__(self) -> None:
         _check_ints("batches", self.batches, 1, example="1,8")
@@ -230,7 +231,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     (``records`` of the decode suite, ``suites``, ``transformers``)."""
     s = settings
     methods = bench_methods(s)  # before the (slow) load: a bad spec fails at once
-    models = {w: load(s.model, dtype=s.dtype, scan_layers=s.scan_layers, weights=w) for w in dict.fromkeys(s.weights)}
+    models = {w: load(s.model, dtype=s.dtype, scan_layers=s.scan_layers, weights=w, mesh=s.mesh) for w in dict.fromkeys(s.weights)}
     model = next(iter(models.values()))
     tok = model.tokenizer
     itemsize = jnp.dtype(model.dtype).itemsize

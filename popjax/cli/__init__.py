@@ -20,7 +20,7 @@ from ..models.config import ConfigError
 from . import (
     analyze_layers, batch_study, bench, cache, calibrate_kv, convert, eval, frontier, generate, kv_drift, lm_eval, plan,
 )
-from .common import add_method_args, method_from_args, parse_skip
+from .common import add_method_args, method_from_args, parse_skip, start_distributed
 
 # in the order `popjax --help` lists them
 COMMANDS = (generate, convert, bench, eval, lm_eval, analyze_layers, calibrate_kv, kv_drift, batch_study, frontier, plan, cache)
@@ -55,8 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     _enable_compilation_cache()
     try:
+        if getattr(args, "multihost_flags", False):  # before anything touches the devices
+            start_distributed(args)
         code = args.run(args)
     except (CheckpointError, ConfigError, MethodError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"popjax: error: {err}", file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as err:
+        if jax.process_count() == 1:
+            raise
+        # a multi-host run: another process failed or a wait on it timed out; one line, not a stack
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"popjax: error: process {jax.process_index()} of {jax.process_count()}: {first}", file=sys.stderr)
         return 2
     return code or 0

@@ -7,7 +7,9 @@ import argparse
 from pathlib import Path
 
 from ..bench.runner import BenchSettings, format_suites, format_table, run_bench
+from .. import distributed
 from ..files import write_json_atomic
+from .common import add_distributed_args, mesh_from_args
 
 DEFAULTS = BenchSettings()
 
@@ -32,6 +34,7 @@ def register(sub) -> None:
                    help="methods of the lengths suite besides dense (first --ratios value)")
     p.add_argument("--length-new-tokens", type=int, default=DEFAULTS.length_new_tokens)
     p.add_argument("--json", default=None, help="write the results here")
+    add_distributed_args(p)
     p.set_defaults(run=run)
 
 
@@ -40,9 +43,11 @@ def run(args: argparse.Namespace) -> None:
         model=args.model, dtype=args.dtype, weights=args.weights, scan_layers=args.scan_layers, methods=args.methods, ratios=args.ratios,
         batches=args.batches, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         transformers=not args.no_transformers, suites=args.suites, prompt_lengths=args.prompt_lengths,
-        length_methods=args.length_methods, length_new_tokens=args.length_new_tokens,
+        length_methods=args.length_methods, length_new_tokens=args.length_new_tokens, mesh=mesh_from_args(args),
     )
     result = run_bench(settings)
+    if not distributed.is_main():  # every process measured the same run; process 0 reports it
+        return
     if result["records"]:
         print(format_table(result))
     print(format_suites(result["suites"]))

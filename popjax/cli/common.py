@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from .. import distributed
+from ..analysis.memory_plan import parse_mesh
 from ..convert.default_model import DEFAULT_MODEL
 from ..files import write_json_atomic
 from ..methods import Method, parse_method_spec
 from ..methods.prefill_only.kv_calibration import DEFAULT_RIDGE
 from ..methods.prefill_only.kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
 from ..models.quant import WEIGHT_FORMATS
+from ..sharding import make_mesh
 
 
 def parse_skip(text: str):
@@ -86,9 +90,52 @@ def command_line(argv: list[str] | None = None) -> str:
     return "popjax " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """The multi-host flags (docs/scale_out.md, "Multi-host"): the same command runs on every
+    process with its own ``--process-id``; ``--mesh`` spans the devices of all of them."""
+    group = parser.add_argument_group("multi-host (docs/scale_out.md)")
+    group.add_argument("--coordinator", default=None,
+                       help=f"process 0's HOST:PORT, the same on every process (env {distributed.ENV_COORDINATOR}); "
+                            "'auto': JAX's cluster auto-detection (TPU pod slices, SLURM)")
+    group.add_argument("--num-processes", type=int, default=None, help=f"processes in the run (env {distributed.ENV_NUM_PROCESSES})")
+    group.add_argument("--process-id", type=int, default=None, help=f"this process, 0..N-1 (env {distributed.ENV_PROCESS_ID})")
+    group.add_argument("--init-timeout", type=float, default=distributed.DEFAULT_TIMEOUT_S,
+                       help=f"seconds to wait for the coordinator and the other processes (default {distributed.DEFAULT_TIMEOUT_S})")
+    group.add_argument("--mesh", default=None,
+                       help="DATAxMODEL devices over all processes, e.g. 2x4 (default: one device; with several "
+                            "processes: PROCESSESxDEVICES_PER_PROCESS)")
+    parser.set_defaults(multihost_flags=True)
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+    """Joins the other processes when a multi-host flag or its environment variable is set
+    (`popjax.distributed.initialize`); a plain single-process run calls nothing."""
+    env = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID)
+    given = (args.coordinator, args.num_processes, args.process_id)
+    if all(v is None for v in given) and not any(os.environ.get(name) for name in env):
+        return
+    coordinator = None if args.coordinator == "auto" else args.coordinator
+    if args.coordinator == "auto" and (args.num_processes is not None or args.process_id is not None):
+        raise ValueError("--coordinator auto detects the processes itself; drop --num-processes and --process-id")
+    distributed.initialize(coordinator, args.num_processes, args.process_id, args.init_timeout)
+
+
+def mesh_from_args(args: argparse.Namespace):
+    """``--mesh DATAxMODEL`` -> a mesh over every process's devices (checked to cover them all on
+    several processes); None without ``--mesh`` on one process (the single-device default)."""
+    shape = parse_mesh(args.mesh) if args.mesh else distributed.default_mesh_shape()
+    if shape is None:
+        return None
+    distributed.check_global_mesh(shape)
+    return make_mesh(shape)
+
+
 def write_outputs(args: argparse.Namespace, records: list, table: str, plot, title: str, intro: str) -> None:
     """Prints the table; writes the records as JSON (``--json``) and, with ``--out``, the plots
-    and a report.md that names the command which produced them."""
+    and a report.md that names the command which produced them. Process 0 only (every process
+    of a multi-host run holds the same records)."""
+    if not distributed.is_main():
+        return
     print(table)
     if args.json:
         write_json_atomic(Path(args.json), {"command": command_line(args.argv), "records": records})

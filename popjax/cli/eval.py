@@ -9,7 +9,7 @@ from ..data import load_play, load_text_file
 from ..eval.harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
 from ..eval.tasks import CodeNLLSettings, FidelitySettings, HumanEvalSettings, NLLSettings
 from ..loading import load
-from .common import add_weights_arg, comma_list, write_outputs
+from .common import add_distributed_args, add_weights_arg, comma_list, mesh_from_args, write_outputs
 
 
 def register(sub) -> None:
@@ -40,6 +40,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--out", default=None, help="directory for report.md and the plots")
+    add_distributed_args(p)
     p.set_defaults(run=run)
 
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
         next_line_play=args.play,
         next_line_documents=args.next_line_documents,
     )
-    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
     records = evaluate(model, methods, args.tasks, text, settings)
     source = args.text_file or f"Shakespeare, {args.play}"
     write_outputs(args, records, markdown_table(records), plot_records, "popjax evaluation", f"Model `{args.model}`, NLL text: {source}.")

@@ -13,7 +13,7 @@ from ..eval.frontier import (
 from ..eval.frontier_plot import plot_frontier
 from ..eval.tasks import NLLSettings
 from ..loading import load
-from .common import add_weights_arg, comma_list, write_outputs
+from .common import add_distributed_args, add_weights_arg, comma_list, mesh_from_args, write_outputs
 
 
 def register(sub) -> None:
@@ -37,6 +37,7 @@ def register(sub) -> None:
     p.add_argument("--bench-batch", type=int, default=1, help="the bench batch size whose speeds are used (default 1)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--out", default=None, help="directory for report.md and the plots")
+    add_distributed_args(p)
     p.set_defaults(run=run)
 
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
     text = load_text_file(args.text_file) if args.text_file else load_play(args.play)
     settings = FrontierSettings(NLLSettings(args.nll_prompt_tokens, args.nll_decode_tokens, args.nll_windows, args.batch_size),
                                 args.xla, args.max_bytes_fraction)
-    model = load(args.model, dtype=args.dtype, weights=args.weights)
+    model = load(args.model, dtype=args.dtype, weights=args.weights, mesh=mesh_from_args(args))
     records = frontier(model, args.methods, args.ratios, text, settings)
     notes = []
     if bench is not None:

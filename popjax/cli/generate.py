@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from .. import distributed
 from ..convert.default_model import DEFAULT_MODEL
 from ..generation import generate, stream
 from ..loading import load
-from .common import add_method_args, add_weights_arg, method_from_args
+from .common import add_distributed_args, add_method_args, add_weights_arg, mesh_from_args, method_from_args
 
 
 def register(sub) -> None:
@@ -24,12 +25,14 @@ def register(sub) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_method_args(gen)
+    add_distributed_args(gen)
     gen.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
     method = method_from_args(args)  # validate before the (slow) load
-    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights)
+    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
+    show = distributed.is_main()  # every process generates the same tokens; process 0 prints them
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -41,10 +44,14 @@ def run(args: argparse.Namespace) -> None:
     )
     if len(args.prompts) == 1:  # one prompt: print its tokens as they come
         for piece in stream(model, args.prompts[0], **options):
-            print(piece.text, end="", flush=True)
-        print()
+            if show:
+                print(piece.text, end="", flush=True)
+        if show:
+            print()
         return
     out = generate(model, args.prompts, **options)
+    if not show:
+        return
     for prompt, text in zip(args.prompts, out.texts):
         print(f"### {prompt}")
         print(text)

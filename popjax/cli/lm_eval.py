@@ -12,8 +12,9 @@ from ..convert.default_model import DEFAULT_MODEL
 from ..eval.lm_eval_adapter import (
     ADAPTER_ARGS, DEFAULT_BATCH_SIZE, IGNORED_ARGS, build_method, require_lm_eval, task_manager_for,
 )
+from .. import distributed
 from ..files import write_json_atomic
-from .common import add_method_args, add_weights_arg, command_line
+from .common import add_distributed_args, add_method_args, add_weights_arg, command_line, mesh_from_args
 
 
 def _limit(value: str) -> int | float:
@@ -47,6 +48,7 @@ def register(sub) -> None:
     p.add_argument("--bootstrap-iters", type=int, default=100000, help="0 skips bootstrapped stderrs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write lm-eval's results here")
+    add_distributed_args(p)
     p.set_defaults(run=run)
 
 
@@ -66,6 +68,9 @@ def run(args: argparse.Namespace) -> None:
     from lm_eval.utils import handle_non_serializable, make_table  # optional: as above
 
     model_args = model_args_from_cli(args)
+    mesh = mesh_from_args(args)
+    if mesh is not None:  # an object, not a string: lm-eval passes a dict's values to PopjaxLM as they are
+        model_args["mesh"] = mesh
     hyper = {k: v for k, v in model_args.items() if k not in ADAPTER_ARGS + IGNORED_ARGS}
     method = build_method(model_args["method"], hyper)
     task_manager = task_manager_for(args.tasks, args.include_path, not args.no_builtin_tasks)  # before the load
@@ -74,6 +79,8 @@ def run(args: argparse.Namespace) -> None:
         limit=args.limit, task_manager=task_manager, apply_chat_template=args.apply_chat_template,
         bootstrap_iters=args.bootstrap_iters, log_samples=False, random_seed=args.seed,
     )
+    if not distributed.is_main():  # every process scored the same documents; process 0 reports
+        return
     print(make_table(results))
     if args.json:
         payload = {"command": command_line(args.argv), "model_args": model_args, "method": repr(method), **results}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from ..analysis.memory_plan import DEVICES, GiB, fits, format_plan, memory_plan, parse_mesh, published_configs, resolve_config
+from ..analysis.memory_plan import DEVICES, GiB, check_hosts, fits, format_plan, memory_plan, parse_mesh, published_configs, resolve_config
 from ..files import write_json_atomic
 from ..methods import MethodError
 from ..models.quant import WEIGHT_FORMATS
@@ -43,12 +43,15 @@ def register(sub) -> None:
                         "option (compact, the default: a copy of the partition's rows in the state; gather: ids only)")
     p.add_argument("--scan-layers", action="store_true",
                    help="plan the scanned model (layers stacked, one lax.scan step): deep models compile in minutes")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="processes (hosts) the mesh's devices are split over: adds per-host chips and host RAM while loading")
     p.add_argument("--json", default=None, help="write the plan here")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int | None:
     data, model_axis = parse_mesh(args.mesh)
+    check_hosts(args.hosts, data * model_axis)
     cfg = resolve_config(args.model)  # validate before any device work
     if args.weights in WEIGHT_FORMATS:  # the model's weight format; POP's compact/gather stays a method option
         cfg, args.weights = dataclasses.replace(cfg, weights=args.weights), None
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int | None:
             raise ValueError(f"mesh {args.mesh} needs {data * model_axis} devices; {jax.device_count()} are available")
         return _rerun_with_fake_devices(args, data * model_axis)
     mesh = make_mesh((data, model_axis))
-    plan = memory_plan(cfg, mesh, method, args.batch, args.context, args.prompt, args.dtype, args.scan_layers)
+    plan = memory_plan(cfg, mesh, method, args.batch, args.context, args.prompt, args.dtype, args.scan_layers, args.hosts)
     plan["fits"] = {name: fits(plan, size) for name, size in DEVICES.items()}
     print(format_plan(plan))
     print("fits: " + ", ".join(f"{name} ({size // GiB} GiB): {'yes' if ok else 'no'}"

@@ -60,7 +60,7 @@ LOGPROB_BUDGET_BYTES = 1 << 30  # [B, N, V] fp32 log-probabilities fetched per c
 # lm-eval hands these to every model it builds; JAX picks the device, batches are fixed-size.
 IGNORED_ARGS = ("device", "max_batch_size")
 # PopjaxLM's own model_args (docs/lm_eval.md describes them); every other key is a method's
-ADAPTER_ARGS = ("source", "method", "dtype", "weights", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token", "uniform_shapes")
+ADAPTER_ARGS = ("source", "method", "dtype", "weights", "mesh", "batch_size", "max_length", "max_gen_toks", "seed", "add_bos_token", "uniform_shapes")
 
 
 def require_lm_eval() -> None:
@@ -115,6 +115,7 @@ class PopjaxLM(TemplateLM):
         method: str = "dense",
         dtype: str | None = None,
         weights: str | None = None,
+        mesh: Any = None,
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_length: int | None = None,
         max_gen_toks: int = 256,
@@ -131,7 +132,7 @@ class PopjaxLM(TemplateLM):
                 log.info("model arg %s is ignored: JAX places the model, batches are fixed", name)
         self.method = build_method(method, method_args)  # validated before the (slow) load
         self.batch_size = _parse_batch_size(DEFAULT_BATCH_SIZE if batch_size is None else batch_size)
-        self.model = source if isinstance(source, LoadedModel) else load(source, dtype=dtype, weights=weights)
+        self.model = source if isinstance(source, LoadedModel) else load(source, dtype=dtype, weights=weights, mesh=mesh)
         if self.model.tokenizer is None:
             raise ValueError(f"model {self.model.source} has no tokenizer; lm-eval tasks are text")
         self.method = self.method.prepare(self.model)

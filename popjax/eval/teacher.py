@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .. import engine
+from .. import distributed, engine
 from ..generation import pad_batch, pad_token_id
 from ..loaded import LoadedModel
 from ..methods import Method, prepared
@@ -46,5 +46,6 @@ def teacher_forced(
         with_logprobs, tuple(record), data=method.data(model),
     )
     B = len(prompts)
-    out = np.asarray(nll)[:B], (np.asarray(logp)[:B] if with_logprobs else None)
-    return (*out, {k: np.asarray(v) for k, v in records.items()}) if record else out
+    nll, logp, records = distributed.to_host((nll, logp, dict(records)))  # the same values on every process
+    out = nll[:B], (logp[:B] if with_logprobs else None)
+    return (*out, records) if record else out

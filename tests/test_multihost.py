@@ -1,0 +1,269 @@
+"""Multi-host (popjax.distributed): two CPU processes × 4 fake devices joined by
+``jax.distributed`` (gloo collectives) into one (2, 4) mesh give a single process's greedy tokens
+and prefill logits for dense, POP (per shard and global), static, BWAP and prefill-only + POP;
+a store converted once is loaded by both; an eval run writes exactly one JSON; the popjax cache
+lets two processes fill one key; bad multi-host input is one ``popjax: error:`` line.
+
+ONE launch for the whole file (module fixture): the two joined processes and a third, single
+process (the reference run and the bad-input CLI calls) run `worker` below at once; each writes
+its findings as JSON for the tests. By hand (PORT free, STORE from `write_store`):
+``python tests/test_multihost.py OUT 0 PORT STORE & python tests/test_multihost.py OUT 1 PORT STORE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the worker runs this file as a script
+from test_sharding import random_tree, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.multihost
+
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
+NEW_TOKENS = 4
+LOGIT_ATOL = 1e-5  # rounding only (cross-process sums run in another order; measured ~2e-6)
+LOCAL_DEVICES = 4
+XLA_FLAGS = (f"--xla_force_host_platform_device_count={LOCAL_DEVICES} --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true")  # tiny programs: compile time dominates
+TEXT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
+
+
+def methods():
+    import popjax
+
+    return {
+        "dense": popjax.Dense(),
+        "pop-per_shard": popjax.POP(0.3, partition="per_shard", shards=4),
+        "pop-global": popjax.POP(0.3),
+        "static": popjax.Static(0.3),
+        "bwap": popjax.BWAP(),
+        "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3),
+    }
+
+
+def save_byte_tokenizer(target: Path) -> bool:
+    """A byte-level tokenizer over the tiny model's 256 ids (the eval command tokenizes text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(target))
+    return True
+
+
+def write_store(directory: Path) -> Path:
+    """The tiny random model converted once (popjax.convert.store), with its byte tokenizer."""
+    from popjax.convert.store import write_converted
+
+    cfg = tiny_config(num_hidden_layers=1)  # one layer: half the code to compile, every method still prunes it
+    write_converted(directory, cfg, random_tree(cfg), save_byte_tokenizer, {"source": "random", "kind": "hf", "dtype": "float32"})
+    return directory
+
+
+def run_methods(model) -> dict:
+    """Greedy tokens and prefill logits of every method -> {name: {"ids", "logits"}}."""
+    import popjax
+    from popjax.generation import pad_batch
+
+    tokens, mask = pad_batch(PROMPTS, 0, length=16, min_rows=2)
+    out = {}
+    for name, method in methods().items():
+        method = method.prepare(model)
+        ids, _ = popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
+        logits = np.asarray(popjax.forward(model, tokens, mask, method=method))  # np.asarray: replicated on a multi-host mesh
+        out[name] = {"ids": ids, "logits": logits[:, -4:].tolist()}  # the last positions of both rows
+    return out
+
+
+def cli(argv: list[str]) -> tuple[int, list[str]]:
+    """popjax.cli.main(argv) -> (exit code, its stderr lines)."""
+    from popjax.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, [line for line in err.getvalue().splitlines() if line.strip()]
+
+
+def joined_worker(out: Path, pid: int, port: int, store: Path) -> dict:
+    """One of the two joined processes: the methods on the (2, 4) mesh, the eval command, the
+    shared cache key and a mesh that does not cover the 8 devices."""
+    import jax
+
+    import popjax
+    from popjax import distributed, sharding
+    from popjax.cache import get_or_make
+    from popjax.cli import common
+
+    start = time.monotonic()
+    coordinator = f"localhost:{port}"
+    distributed.initialize(coordinator, 2, pid, timeout_s=60)
+    found = {"process_index": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
+    model = popjax.load(store, mesh=sharding.make_mesh((2, 4)))
+    params = jax.tree_util.tree_leaves(model.params)
+    found["local_param_bytes"] = sum(s.data.nbytes for p in params for s in p.addressable_shards)
+    found["global_param_bytes"] = sum(p.nbytes for p in params)
+    found["methods"] = run_methods(model)
+    found["methods_seconds"] = time.monotonic() - start
+    made = []
+    shared = get_or_make("multihost-test", {"key": 1}, lambda d: (made.append(pid), time.sleep(0.5), (d / "who").write_text(str(pid))),
+                         root=out / "shared-cache")
+    found["cache"] = {"made": bool(made), "path": str(shared), "who": (shared / "who").read_text()}
+    flags = ["--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
+    found["bad_mesh"] = cli(["generate", "hi", "--model", str(store), "--mesh", "3x3", *flags])
+    writes = []
+    real_write = common.write_json_atomic
+    common.write_json_atomic = lambda path, payload: (writes.append(str(path)), real_write(path, payload))
+    text = out / "text.txt"
+    text.write_text(TEXT)
+    found["eval"] = cli(["eval", "--model", str(store), "--methods", "dense,pop", "--ratios", "0.3", "--tasks", "nll",
+                         "--text-file", str(text), "--nll-prompt-tokens", "16", "--nll-decode-tokens", "8", "--nll-windows", "2",
+                         "--batch-size", "2", "--json", str(out / "eval.json"), "--mesh", "2x4", *flags])
+    found["eval_json_writes"] = writes
+    found["eval_seconds"] = time.monotonic() - start - found["methods_seconds"]
+    distributed.barrier("worker-done", 120)  # process 0 serves the coordinator: it leaves last
+    return found
+
+
+def reference_worker(out: Path, port: int, store: Path) -> dict:
+    """The single process: the methods on one device, and the bad input that fails before
+    (or instead of) joining: an unreachable coordinator, a process id out of range."""
+    import popjax
+
+    start = time.monotonic()
+    found = {"methods": run_methods(popjax.load(store))}
+    found["methods_seconds"] = time.monotonic() - start
+    found["unreachable"] = cli(["generate", "hi", "--model", str(store), "--coordinator", f"localhost:{port}",
+                                "--num-processes", "2", "--process-id", "1", "--init-timeout", "1"])
+    found["process_id_out_of_range"] = cli(["generate", "hi", "--model", str(store), "--coordinator", "localhost:1",
+                                            "--num-processes", "2", "--process-id", "2"])
+    return found
+
+
+def worker(out: str, role: str, port: str, store: str) -> None:
+    """Runs in a subprocess; writes ``OUT/<role>.json`` (a traceback there if it failed)."""
+    out_dir = Path(out)
+    start = time.monotonic()
+    try:
+        if role == "reference":
+            found = reference_worker(out_dir, int(port), Path(store))
+        else:
+            found = joined_worker(out_dir, int(role), int(port), Path(store))
+        found["seconds"] = time.monotonic() - start
+    except BaseException:
+        found = {"error": traceback.format_exc()}
+    (out_dir / f"{role}.json").write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:5])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The two joined processes and the reference process, launched once at the same time."""
+    out = tmp_path_factory.mktemp("multihost")
+    store = write_store(out / "store")
+    port, unused_port = free_port(), free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+           "POPJAX_CACHE": str(out / "cache")}
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    roles = {"0": port, "1": port, "reference": unused_port}  # the reference's coordinator is never served
+    procs = {role: subprocess.Popen([sys.executable, __file__, str(out), role, str(p), str(store)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role, p in roles.items()}
+    logs = {}
+    deadline = time.monotonic() + 240
+    for role, proc in procs.items():
+        try:
+            logs[role] = proc.communicate(timeout=max(1, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            pytest.fail(f"process {role} did not finish in 240 s")
+    found = {}
+    for role in roles:
+        path = out / f"{role}.json"
+        assert path.is_file(), f"process {role} wrote nothing:\n{logs[role][-4000:]}"
+        found[role] = json.loads(path.read_text())
+        assert "error" not in found[role], found[role]["error"]
+    found["out"] = out
+    return found
+
+
+def test_two_processes_form_one_mesh_and_hold_only_their_blocks(runs):
+    """Both processes see 8 devices; each holds its own devices' blocks of the weights, not all."""
+    for pid in ("0", "1"):
+        found = runs[pid]
+        assert (found["process_index"], found["process_count"], found["devices"]) == (int(pid), 2, 8)
+        # (2, 4) mesh: a process holds one data row = 4 model blocks, i.e. one copy of the weights
+        # split 4 ways, never the 8 device copies of a replicated placement
+        assert found["local_param_bytes"] <= found["global_param_bytes"] * 1.01, found
+
+
+@pytest.mark.parametrize("name", ["dense", "pop-per_shard", "pop-global", "static", "bwap", "prefill-only+pop"])
+def test_tokens_and_logits_equal_one_process(runs, name):
+    """Greedy tokens equal, prefill logits within rounding, on both processes."""
+    want = runs["reference"]["methods"][name]
+    for pid in ("0", "1"):
+        got = runs[pid]["methods"][name]
+        assert got["ids"] == want["ids"], (name, pid)
+        delta = float(np.abs(np.asarray(got["logits"]) - np.asarray(want["logits"])).max())
+        print(f"{name} process {pid}: max |Δlogit| {delta:.2e}")
+        assert delta <= LOGIT_ATOL, (name, pid, delta)
+    assert runs["0"]["methods"][name] == runs["1"]["methods"][name]  # identical on both processes
+
+
+def test_the_cache_lets_two_processes_fill_one_key(runs):
+    """popjax.cache (temp dir + rename, flock): one process makes the entry, the other reads it."""
+    made = [runs[pid]["cache"]["made"] for pid in ("0", "1")]
+    assert sorted(made) == [False, True], made
+    assert runs["0"]["cache"]["path"] == runs["1"]["cache"]["path"]
+    assert runs["0"]["cache"]["who"] == runs["1"]["cache"]["who"]
+
+
+def test_eval_writes_exactly_one_json(runs):
+    """Both processes evaluate; process 0 alone writes the JSON."""
+    for pid in ("0", "1"):
+        assert runs[pid]["eval"][0] == 0, runs[pid]["eval"]
+    assert len(runs["0"]["eval_json_writes"]) == 1 and runs["1"]["eval_json_writes"] == []
+    records = json.loads((runs["out"] / "eval.json").read_text())["records"]
+    assert {r["method"] for r in records} == {"dense", "pop"} and all(np.isfinite(r["nll"]) for r in records)
+    assert not [p.name for p in runs["out"].iterdir() if p.name.startswith(".eval.json")]  # no temp file left
+
+
+def test_bad_input_is_one_clear_line(runs):
+    """An unreachable coordinator, a process id out of range and a mesh that does not cover the
+    8 devices: exit code 2 and one ``popjax: error:`` line naming the value, on every process."""
+    cases = {
+        "unreachable": (runs["reference"]["unreachable"], "is not reachable after 1 s"),
+        "process_id": (runs["reference"]["process_id_out_of_range"], "--process-id 2 is out of range"),
+        "mesh 0": (runs["0"]["bad_mesh"], "mesh 3x3 does not cover the 8 devices of 2 processes"),
+        "mesh 1": (runs["1"]["bad_mesh"], "mesh 3x3 does not cover the 8 devices of 2 processes"),
+    }
+    for case, ((code, lines), text) in cases.items():
+        assert code == 2, (case, code, lines)
+        errors = [line for line in lines if line.startswith("popjax: error:")]
+        assert len(errors) == 1 and text in errors[0], (case, lines)
