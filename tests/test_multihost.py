@@ -1,7 +1,7 @@
 """Multi-host (popjax.distributed): two CPU processes × 4 fake devices joined by
 ``jax.distributed`` (gloo collectives) into one (2, 4) mesh give a single process's greedy tokens
 and prefill logits for dense, POP (per shard and global), static, BWAP and prefill-only + POP;
-a store converted once is loaded by both; an eval run writes exactly one JSON; the popjax cache
+an HF checkpoint converted once (by process 0, into the cache both read) is loaded by both; an eval run writes exactly one JSON; the popjax cache
 lets two processes fill one key; bad multi-host input is one ``popjax: error:`` line.
 
 ONE launch for the whole file (module fixture): the two joined processes and a third, single
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -67,11 +68,24 @@ def save_byte_tokenizer(target: Path) -> bool:
 
 
 def write_store(directory: Path) -> Path:
-    """The tiny random model converted once (popjax.convert.store), with its byte tokenizer."""
-    from popjax.convert.store import write_converted
+    """The tiny random model as an HF checkpoint (config.json, model.safetensors in HF names,
+    its byte tokenizer): every process's `popjax.load` converts it through the popjax cache."""
+    from safetensors.numpy import save_file
 
     cfg = tiny_config(num_hidden_layers=1)  # one layer: half the code to compile, every method still prunes it
-    write_converted(directory, cfg, random_tree(cfg), save_byte_tokenizer, {"source": "random", "kind": "hf", "dtype": "float32"})
+    tree = random_tree(cfg)
+    tensors = {"model.embed_tokens.weight": tree["embed"], "model.norm.weight": tree["final_norm"]["weight"],
+               "lm_head.weight": tree["lm_head"]}
+    for i, layer in tree["layers"].items():
+        prefix = f"model.layers.{i}"
+        tensors[f"{prefix}.input_layernorm.weight"] = layer["attn_norm"]["weight"]
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = layer["mlp_norm"]["weight"]
+        tensors.update({f"{prefix}.self_attn.{n}_proj.weight": layer["attn"][n] for n in "qkvo"})
+        tensors.update({f"{prefix}.mlp.{n}_proj.weight": layer["mlp"][n] for n in ("gate", "up", "down")})
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), "architectures": ["LlamaForCausalLM"]}))
+    save_byte_tokenizer(directory)
     return directory
 
 
@@ -114,7 +128,16 @@ def joined_worker(out: Path, pid: int, port: int, store: Path) -> dict:
     coordinator = f"localhost:{port}"
     distributed.initialize(coordinator, 2, pid, timeout_s=60)
     found = {"process_index": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
+    # an HF checkpoint: process 0 converts it into the shared popjax cache, process 1 waits and reads it
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger("popjax.loading").addHandler(handler)
     model = popjax.load(store, mesh=sharding.make_mesh((2, 4)))
+    logging.getLogger("popjax.loading").removeHandler(handler)
+    found["converted_here"] = any(n.startswith("converting") for n in notices)
+    found["converted_entries"] = [str(p) for p in (Path(os.environ["POPJAX_CACHE"]) / "converted").iterdir()
+                                  if not p.name.startswith(".")]
     params = jax.tree_util.tree_leaves(model.params)
     found["local_param_bytes"] = sum(s.data.nbytes for p in params for s in p.addressable_shards)
     found["global_param_bytes"] = sum(p.nbytes for p in params)
@@ -146,6 +169,7 @@ def reference_worker(out: Path, port: int, store: Path) -> dict:
     import popjax
 
     start = time.monotonic()
+    os.environ["POPJAX_CACHE"] = str(out / "reference-cache")  # its own conversion, apart from the joined pair's
     found = {"methods": run_methods(popjax.load(store))}
     found["methods_seconds"] = time.monotonic() - start
     found["unreachable"] = cli(["generate", "hi", "--model", str(store), "--coordinator", f"localhost:{port}",
@@ -234,6 +258,15 @@ def test_tokens_and_logits_equal_one_process(runs, name):
         print(f"{name} process {pid}: max |Δlogit| {delta:.2e}")
         assert delta <= LOGIT_ATOL, (name, pid, delta)
     assert runs["0"]["methods"][name] == runs["1"]["methods"][name]  # identical on both processes
+
+
+def test_one_conversion_loaded_by_both(runs):
+    """The HF checkpoint is converted once (process 0; process 1 waits at the barrier) into the
+    cache both read: one entry, seen by both processes."""
+    entries = [runs[pid]["converted_entries"] for pid in ("0", "1")]
+    assert len(entries[0]) == 1 and entries[0] == entries[1], entries
+    assert (runs["0"]["converted_here"], runs["1"]["converted_here"]) == (True, False)
+    assert (Path(entries[0][0]) / "entry.json").is_file()
 
 
 def test_the_cache_lets_two_processes_fill_one_key(runs):
