@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine
+from . import distributed, engine
 from .corpus import (  # noqa: F401  re-exported: the corpus is the calibration pipeline's input
     DEFAULT_TOKENS,
     DEFAULT_WINDOW,
@@ -62,7 +62,7 @@ from .corpus import (  # noqa: F401  re-exported: the corpus is the calibration 
     text_corpus,
     text_file_corpus,
 )
-from .cache import cache_root, entry_key, get_or_make
+from .cache import cache_root, entry_key, get_or_make, lookup
 from .ffn import Plan, activations, down_proj, gate_activation
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def collect(model, statistic: Statistic, corpus: Corpus, batch_size: int = DEFAU
     for start in range(0, len(corpus.windows), batch_size):
         tokens = jnp.asarray(corpus.windows[start : start + batch_size])
         _, _, _, aux = engine.prefill(model.graphdef, model.params, tokens, jnp.ones_like(tokens), plan, with_aux=True)
-        for name, value in by_slot(model.config, jax.device_get(aux)).items():
+        for name, value in by_slot(model.config, distributed.to_host(aux)).items():
             value = np.asarray(value)
             value = value.astype(np.int64 if np.issubdtype(value.dtype, np.integer) or value.dtype == bool else np.float64)
             totals[name] = totals[name] + value if name in totals else value
@@ -171,7 +171,7 @@ def model_fingerprint(model) -> str:
         return hit[1]
     h = hashlib.blake2b(config.encode(), digest_size=16)
     for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
-        array = np.asarray(leaf)
+        array = distributed.to_host(leaf)  # a multi-host model's leaf: gathered, one tensor at a time
         h.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape}".encode())
         h.update(np.ascontiguousarray(array).tobytes())
     try:
@@ -205,6 +205,32 @@ def cache_path(
     return (Path(cache_dir) if cache_dir is not None else cache_root()) / "calibration" / entry_key(key, name)
 
 
+def made_once(
+    kind: str, key: dict[str, Any], compute: Callable[[], Any], write: Callable[[Path, Any], None],
+    read: Callable[[Path], Any], *, name: str, root: str | Path | None = None,
+) -> tuple[Any, Path]:
+    """``compute()`` once per key, kept as a `popjax.cache` entry of ``kind`` by ``write(directory,
+    value)`` and read back by ``read(entry)`` -> (value, entry); a fresh value is returned as
+    computed. In a multi-host run ``compute`` is one program over every process's devices, so
+    every process must run it or none (one that waited on another's lock would hang the run):
+    all read when every process finds a valid entry, else all compute and each stores it in its
+    own cache (a shared cache: the first rename wins, the others find the entry)."""
+    if jax.process_count() > 1:
+        found = lookup(kind, key, name=name, root=root)
+        if distributed.everywhere(found is not None):
+            return read(found), found
+        value = compute()
+        return value, get_or_make(kind, key, lambda directory: write(directory, value), name=name, root=root)
+    fresh: list[Any] = []
+
+    def make(directory: Path) -> None:
+        fresh.append(compute())
+        write(directory, fresh[0])
+
+    entry = get_or_make(kind, key, make, name=name, root=root)
+    return (fresh[0] if fresh else read(entry)), entry
+
+
 def cached_arrays(
     kind: str, key: dict[str, Any], compute: Callable[[], dict[str, np.ndarray]], *, name: str,
     root: str | Path | None = None,
@@ -212,16 +238,12 @@ def cached_arrays(
     """``compute()`` once per key, kept as a `popjax.cache` entry of ``kind`` (one ``arrays.npz``:
     made atomically, checksummed and verified on every read; a corrupt entry is made again with
     a one-line warning). A fresh result is returned as computed, not read back."""
-    fresh: dict[str, dict[str, np.ndarray]] = {}
+    arrays, _ = made_once(kind, key, compute, lambda directory, value: np.savez(directory / ARRAYS, **value),
+                          _read_arrays, name=name, root=root)
+    return arrays
 
-    def make(directory: Path) -> None:
-        fresh["arrays"] = compute()
-        np.savez(directory / ARRAYS, **fresh["arrays"])
 
-    entry = get_or_make(kind, key, make, name=name, root=root)
-    if "arrays" in fresh:
-        log.info("%s %s written to %s", kind, name, entry)
-        return fresh["arrays"]
+def _read_arrays(entry: Path) -> dict[str, np.ndarray]:
     with np.load(entry / ARRAYS, allow_pickle=False) as data:
         return {array: np.array(data[array]) for array in data.files}
 

@@ -186,6 +186,14 @@ def to_host(tree: Any) -> Any:
     return jax.tree_util.tree_map(leaf, tree)
 
 
+def everywhere(flag: bool) -> bool:
+    """Whether ``flag`` holds on every process (one all-gather of one bool each): a decision
+    all processes take alike, e.g. to run a collective program or not. One process: ``flag``."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+
+
 def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     """Waits until every process reaches ``name``, at most ``timeout_s`` (then JAX raises a
     DEADLINE_EXCEEDED error naming the barrier); nothing on one process."""

@@ -1,8 +1,9 @@
 """Multi-host (popjax.distributed): two CPU processes × 4 fake devices joined by
 ``jax.distributed`` (gloo collectives) into one (2, 4) mesh give a single process's greedy tokens
-and prefill logits for dense, POP (per shard and global), static, BWAP and prefill-only + POP;
-an HF checkpoint converted once (by process 0, into the cache both read) is loaded by both; an eval run writes exactly one JSON; the popjax cache
-lets two processes fill one key; bad multi-host input is one ``popjax: error:`` line.
+and prefill logits for dense, POP (per shard and global), static, BWAP, prefill-only + POP and
+the calibrated TEAL and FLAP; an HF checkpoint converted once (by process 0, into the cache both
+read) is loaded by both; an eval run writes exactly one JSON; the popjax cache lets two
+processes fill one key; bad multi-host input is one ``popjax: error:`` line.
 
 ONE launch for the whole file (module fixture): the two joined processes and a third, single
 process (the reference run and the bad-input CLI calls) run `worker` below at once; each writes
@@ -51,7 +52,14 @@ def methods():
         "static": popjax.Static(0.3),
         "bwap": popjax.BWAP(),
         "prefill-only+pop": popjax.PrefillOnly() + popjax.POP(0.3),
+        # calibrated on CORPUS through the popjax cache (the joined pair share one): the
+        # collection is one program over both processes, so both run it, then both store it
+        "teal": popjax.TEAL(0.3),
+        "flap": popjax.FLAP(0.3),
     }
+
+
+CALIBRATED = ("teal", "flap")
 
 
 def save_byte_tokenizer(target: Path) -> bool:
@@ -96,8 +104,11 @@ def run_methods(model) -> dict:
 
     tokens, mask = pad_batch(PROMPTS, 0, length=16, min_rows=2)
     out = {}
+    from popjax.calibration import Corpus
+
+    corpus = Corpus("random", np.random.default_rng(6).integers(0, model.config.vocab_size, (4, 32)))
     for name, method in methods().items():
-        method = method.prepare(model)
+        method = method.calibrate(model, corpus) if name in CALIBRATED else method.prepare(model)
         ids, _ = popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
         logits = np.asarray(popjax.forward(model, tokens, mask, method=method))  # np.asarray: replicated on a multi-host mesh
         out[name] = {"ids": ids, "logits": logits[:, -4:].tolist()}  # the last positions of both rows
@@ -247,7 +258,7 @@ def test_two_processes_form_one_mesh_and_hold_only_their_blocks(runs):
         assert found["local_param_bytes"] <= found["global_param_bytes"] * 1.01, found
 
 
-@pytest.mark.parametrize("name", ["dense", "pop-per_shard", "pop-global", "static", "bwap", "prefill-only+pop"])
+@pytest.mark.parametrize("name", ["dense", "pop-per_shard", "pop-global", "static", "bwap", "prefill-only+pop", *CALIBRATED])
 def test_tokens_and_logits_equal_one_process(runs, name):
     """Greedy tokens equal, prefill logits within rounding, on both processes."""
     want = runs["reference"]["methods"][name]

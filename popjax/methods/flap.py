@@ -46,11 +46,11 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .. import distributed
 from ..calibration import CalibrationError, Corpus, Statistic, calibrate
 from .base import MethodError, ffn_ratio
 from .wanda_sp import CalibratedPruning, ChannelSelection
@@ -193,5 +193,5 @@ def _block_selection(model, stats: dict[str, np.ndarray], n_keep: int, floor: in
 
 def _layers(model) -> dict[int, Any]:
     """The layers' parameter dicts of a LoadedModel, by index."""
-    pure = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))  # an int8 model's q · s
+    pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))  # an int8 model's q · s; all hosts' blocks
     return {int(i): layer for i, layer in pure["layers"].items()}

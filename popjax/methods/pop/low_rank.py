@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ... import distributed
 from ... import calibration
 from ...convert.fused import dequantize_tree
 from ...loaded import unrolled
@@ -121,7 +122,7 @@ def lowrank_factors(model, rank: int, cache: bool = True, cache_dir: str | Path 
     blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
 
     def compute() -> dict[str, np.ndarray]:
-        pure = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
+        pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))  # all hosts' blocks
         layers = {int(i): layer for i, layer in pure["layers"].items()}
         if blocks:  # one weight block per (layer, slot); slots without a block are zeros
             gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]

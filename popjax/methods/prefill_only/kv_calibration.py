@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ... import distributed
 from ...calibration import DEFAULT_TOKENS, DEFAULT_WINDOW, Corpus, default_corpus, model_fingerprint
 from ...engine import positions_from_mask
 from ...loaded import LoadedModel
@@ -246,7 +247,7 @@ def fit_closed_form(model: LoadedModel, skip: tuple[int, ...], corpus: Corpus, r
     totals, n_tokens = None, 0
     for tokens, valid in window_batches(corpus, batch_size):
         sums, count = _normal_sums(model.graphdef, model.params, tokens, valid, skip)
-        sums = {k: np.asarray(v, np.float64) for k, v in jax.device_get(sums).items()}
+        sums = {k: np.asarray(v, np.float64) for k, v in distributed.to_host(sums).items()}
         totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
         n_tokens += int(count)
     cfg, originals = model.config, original_kv(model, skip)

@@ -29,8 +29,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .kv_calibration import KVCalibration, KVCalibrationError, resolve_skip
-from ...cache import cache_root, entry_key, get_or_make
-from ...calibration import model_fingerprint
+from ...cache import cache_root, entry_key
+from ...calibration import made_once, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +134,7 @@ def cached(
 ) -> tuple[KVCalibration, Path]:
     """The calibration for ``key`` from its cache entry, or ``fit()`` (it must return one made
     for ``key``) kept as a new entry -> (calibration, entry). ``cache_dir``: the cache root."""
-    fresh: list[KVCalibration] = []
-
-    def make(directory: Path) -> None:
-        fresh.append(fit())
-        write_into(directory, fresh[0])
-
-    entry = get_or_make(KIND, key, make, name=entry_name(key), root=cache_dir)
-    return (fresh[0] if fresh else _load(entry)), entry
+    return made_once(KIND, key, fit, write_into, _load, name=entry_name(key), root=cache_dir)
 
 
 def save_kv_calibration(cal: KVCalibration, path: str | Path) -> Path:
