@@ -18,6 +18,41 @@ import jax  # noqa: E402  (after JAX_PLATFORMS, which jax reads when it starts)
 # @pytest.mark.optimized_xla. Subprocesses (notebook kernels, CLI runs) keep JAX's default.
 jax.config.update("jax_disable_most_optimizations", True)
 
+# XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
+# emitters (measured: tests/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
+# more, and they run its scanned layers 2x slower. So an unoptimised compile takes them, except
+# in tests of the whole real model and those marked `optimized_xla` (`_xla_optimisations`). The option goes where `jax.jit(...,
+# compiler_options=...)` puts its own (jax._src.compiler is private: without it, the same
+# programs compile with the default emitters, only slower). Subprocess workers with tiny
+# models set the same option in XLA_FLAGS (TINY_PROGRAM_XLA_FLAGS).
+TINY_PROGRAM_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+TINY_PROGRAM_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TINY_PROGRAM_OPTIONS.items())
+_tiny_programs = [True]  # off while a `slow` or `optimized_xla` test runs
+
+
+def tiny_program_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess (a CLI run, a notebook kernel) that compiles only tiny
+    programs: CPU, unoptimised, the older emitters."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {TINY_PROGRAM_XLA_FLAGS}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "XLA_FLAGS": flags, **extra}
+
+
+def _with_tiny_program_options(get_compile_options):
+    def get(*args, env_options_overrides=None, **kwargs):
+        if _tiny_programs[0] and jax.config.read("jax_disable_most_optimizations"):
+            env_options_overrides = {**TINY_PROGRAM_OPTIONS, **(env_options_overrides or {})}
+        return get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+    return get
+
+
+try:
+    from jax._src import compiler as _jax_compiler
+except ImportError:  # a JAX without it: default emitters
+    _jax_compiler = None
+if _jax_compiler is not None and hasattr(_jax_compiler, "get_compile_options"):
+    _jax_compiler.get_compile_options = _with_tiny_program_options(_jax_compiler.get_compile_options)
+
 TINY_BASE = dict(
     vocab_size=160,
     hidden_size=64,
@@ -103,22 +138,44 @@ def make_tiny_checkpoint(name: str, directory: Path, seed: int = 0):
 
 def pytest_configure(config):
     """A worker that dies (a crash inside XLA) ends the run with its test failed: xdist's default,
-    a replacement worker, left a `--dist loadfile` run waiting forever for the dead worker's file."""
-    if config.pluginmanager.hasplugin("xdist") and config.option.maxworkerrestart is None:  # not given
-        config.option.maxworkerrestart = 0
+    a replacement worker, left a `--dist loadfile` run waiting forever for the dead worker's file.
+    Files are handed out in `pytest_collection_modifyitems`'s order, not xdist's default (most
+    tests first), which ran the one-test files of the 8-device workers last, on one worker."""
+    if config.pluginmanager.hasplugin("xdist"):
+        if config.option.maxworkerrestart is None:  # not given
+            config.option.maxworkerrestart = 0
+        config.option.loadscopereorder = False
+
+
+# The files that take longest (measured with --durations=0, in this order: a subprocess with 8
+# devices, the whole real model, the two-process launch, ...) start first, so that with
+# `--dist loadfile` the other worker runs the many short files meanwhile and neither waits at the end.
+LONGEST_FILES = ("test_sharding.py", "test_default_model.py", "test_int8.py", "test_multihost.py",
+                 "test_gemma3_methods.py", "test_notebooks.py", "test_sharding_gemma3.py", "test_bf16.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
 
 
 @pytest.fixture(autouse=True)
 def _xla_optimisations(request):
-    """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs' cost)."""
-    if request.node.get_closest_marker("optimized_xla") is None:
-        yield
-        return
-    jax.config.update("jax_disable_most_optimizations", False)
+    """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs'
+    cost); XLA's default emitters for it and for a ``slow`` test of the whole real model (the
+    two-layer cut of `short_default_model_dir` compiles faster with the older ones)."""
+    optimised = request.node.get_closest_marker("optimized_xla") is not None
+    whole_model = (request.node.get_closest_marker("slow") is not None
+                   and "short_default_model_dir" not in request.fixturenames)
+    _tiny_programs[0] = not (optimised or whole_model)
+    if optimised:
+        jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
-        jax.config.update("jax_disable_most_optimizations", True)
+        _tiny_programs[0] = True
+        if optimised:
+            jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -172,6 +229,10 @@ def _isolated_cache(tmp_path_factory):
     compiled = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-compilation-cache"
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compiled)
     jax.config.update("jax_compilation_cache_dir", str(compiled))
+    # every program, not only those that took a second (JAX's default): the tiny models' programs
+    # compile in under one and recur across files (measured: 5 engine/method files 103 s -> 89 s)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     yield root
     if previous is None:
         os.environ.pop("POPJAX_CACHE", None)
@@ -211,3 +272,34 @@ def char_model(tiny_checkpoints):
 
     directory, _ = tiny_checkpoints("llama-gqa")
     return dataclasses.replace(popjax.load(directory, cache=False), tokenizer=CharTokenizer())
+
+
+SHORT_LAYERS = 2
+
+
+@pytest.fixture(scope="session")
+def short_default_model_dir(tmp_path_factory) -> Path:
+    """The real default model (SmolLM2-135M-Instruct) cut to its first two layers, as a
+    converted popjax directory: its own embeddings, widths, weights and tokenizer. For the tests
+    of plumbing (the eval and bench commands, the notebooks) where 30 layers prove nothing more
+    than two and compile ~10x longer; the full model's numbers are test_default_model.py's and
+    test_bf16.py's. Made once per run: the xdist workers share it through the popjax cache's lock."""
+    import dataclasses
+
+    from popjax.cache import get_or_make
+    from popjax.convert import convert_gguf, default_gguf_path
+    from popjax.convert.readers import gguf_tokenizer
+    from popjax.convert.store import write_into
+
+    def make(directory: Path) -> None:
+        path = default_gguf_path()
+        full = convert_gguf(path, "float32")
+        cfg = dataclasses.replace(full.config, num_hidden_layers=SHORT_LAYERS)
+        params = {**full.params, "layers": {str(i): full.params["layers"][str(i)] for i in range(SHORT_LAYERS)}}
+        save_tokenizer = lambda target: bool(gguf_tokenizer(path).save_pretrained(str(target)))
+        write_into(directory, cfg, params, save_tokenizer,
+                   {"source": f"{path} (first {SHORT_LAYERS} layers)", "kind": "gguf", "dtype": "float32"})
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return get_or_make("short-default-model", {"layers": SHORT_LAYERS}, make, root=shared / "shared-cache")

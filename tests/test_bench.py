@@ -23,11 +23,11 @@ def test_bytes_per_step_follow_the_kept_channels():
     assert abs(dense / 4 - (30 * (cfg.attention_params_per_layer() + cfg.mlp_params_per_layer()) + 49152 * 576 + 2 * 30 * 96 * 192)) < 1
 
 
-@pytest.mark.slow  # benchmarks the real default model
-def test_bench_command_writes_json(tmp_path):
+@pytest.mark.slow  # the real default model, cut to two layers (its widths, weights and tokenizer)
+def test_bench_command_writes_json(tmp_path, short_default_model_dir):
     path = tmp_path / "bench.json"
     code = main([
-        "bench", "--methods", "pop", "--ratios", "0.2", "--batches", "1", "--max-new-tokens", "4",
+        "bench", "--model", str(short_default_model_dir), "--methods", "pop", "--ratios", "0.2", "--batches", "1", "--max-new-tokens", "4",
         "--repeats", "1", "--no-transformers", "--scan-layers", "--json", str(path),
     ])
     assert code == 0

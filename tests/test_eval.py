@@ -97,13 +97,13 @@ def test_truncate_completion_stops_at_the_next_definition():
     assert truncate_completion(text) == "    return a + b\n\n"
 
 
-@pytest.mark.slow  # evaluates the real default model
-def test_eval_command_writes_records_table_and_plots(tmp_path, capsys):
+@pytest.mark.slow  # the real default model, cut to two layers (its widths, weights and tokenizer)
+def test_eval_command_writes_records_table_and_plots(tmp_path, capsys, short_default_model_dir):
     from popjax.cli import main
 
     out, path = tmp_path / "report", tmp_path / "eval.json"
     code = main([
-        "eval", "--methods", "dense,pop", "--ratios", "0.2", "--tasks", "nll,fidelity",
+        "eval", "--model", str(short_default_model_dir), "--methods", "dense,pop", "--ratios", "0.2", "--tasks", "nll,fidelity",
         "--nll-prompt-tokens", "32", "--nll-decode-tokens", "16", "--nll-windows", "2",
         "--fidelity-tokens", "8", "--fidelity-instructions", "2", "--fidelity-humaneval", "1", "--batch-size", "2",
         "--scan-layers",  # one layer's code per program: a fraction of the unrolled model's trace and compile time

@@ -5,7 +5,6 @@ CLI makes fake CPU devices for a mesh; bad input fails clearly."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from popjax.analysis.memory_plan import check_hosts, memory_plan, parse_mesh, pu
 from popjax.models.config import ConfigError, ModelConfig
 from popjax.generation import GenerationRequest
 from popjax.sharding import make_mesh
-from tests.conftest import TINY_BASE
+from tests.conftest import TINY_BASE, tiny_program_env
 
 TINY = dict(TINY_BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=2,
             tie_word_embeddings=False, rope_theta=10000.0)
@@ -81,13 +80,13 @@ def test_scanned_plan_refuses_per_layer_widths(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(widths))
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(path), "--context", "64", "--scan-layers"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=tiny_program_env(), timeout=300)
     assert result.returncode == 2 and "intermediate_sizes=[96, 64]" in result.stderr
 
 
 def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
     out = tmp_path / "plan.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = tiny_program_env()
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "2x2", "--batch", "2",
            "--context", "64", "--prompt", "16", "--dtype", "float32", "--method", "pop", "--ratio", "0.3", "--hosts", "4",
            "--json", str(out)]
@@ -123,7 +122,7 @@ def test_bad_input_fails_clearly(config_file, tmp_path):
         memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 64)
     with pytest.raises(ValueError, match=r"--hosts 3 must be a positive divisor of the mesh's 4 devices \(valid: \[1, 2, 4\]\)"):
         check_hosts(3, 4)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = tiny_program_env()
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "1x3", "--context", "64"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "3" in result.stderr and "error" in result.stderr

@@ -1,7 +1,8 @@
 """Multi-host (popjax.distributed): two CPU processes × 4 fake devices joined by
-``jax.distributed`` (gloo collectives) into one (2, 4) mesh give a single process's greedy tokens
-and prefill logits for dense, POP (per shard and global), static, BWAP, prefill-only + POP and
-the calibrated TEAL and FLAP; an HF checkpoint converted once (by process 0, into the cache both
+``jax.distributed`` (gloo collectives) into one (2, 4) mesh give a single process's teacher-forced
+NLL through prefill and decode for dense, POP (per shard and global), static, BWAP, prefill-only
++ POP and the calibrated TEAL and FLAP, its greedy tokens (dense, POP per shard) and its prefill
+logits (dense); an HF checkpoint converted once (by process 0, into the cache both
 read) is loaded by both; an eval run writes exactly one JSON; the popjax cache lets two
 processes fill one key; bad multi-host input is one ``popjax: error:`` line.
 
@@ -38,7 +39,7 @@ NEW_TOKENS = 4
 LOGIT_ATOL = 1e-5  # rounding only (cross-process sums run in another order; measured ~2e-6)
 LOCAL_DEVICES = 4
 XLA_FLAGS = (f"--xla_force_host_platform_device_count={LOCAL_DEVICES} --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true")  # tiny programs: compile time dominates
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")  # tiny programs: compile time dominates (conftest.TINY_PROGRAM_OPTIONS)
 TEXT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
 
 
@@ -97,21 +98,32 @@ def write_store(directory: Path) -> Path:
     return directory
 
 
+GENERATED = ("dense", "pop-per_shard")  # the greedy loop's programs (start, decode_loop) for these two
+
+
 def run_methods(model) -> dict:
-    """Greedy tokens and prefill logits of every method -> {name: {"ids", "logits"}}."""
+    """Every method's NLL of fixed targets fed through its decode path after the prompts'
+    prefill (one program: the prefill's logits score the first target, each decode step the
+    next), the greedy tokens of `GENERATED` and the dense prefill logits of `popjax.forward`
+    -> {name: {"nll", and "ids", "logits" where run}}."""
     import popjax
+    from popjax.calibration import Corpus
+    from popjax.eval.teacher import teacher_forced
     from popjax.generation import pad_batch
 
-    tokens, mask = pad_batch(PROMPTS, 0, length=16, min_rows=2)
+    vocab = model.config.vocab_size
+    targets = np.random.default_rng(2).integers(0, vocab, (len(PROMPTS), NEW_TOKENS)).astype(np.int32)
+    corpus = Corpus("random", np.random.default_rng(6).integers(0, vocab, (4, 32)))
     out = {}
-    from popjax.calibration import Corpus
-
-    corpus = Corpus("random", np.random.default_rng(6).integers(0, model.config.vocab_size, (4, 32)))
     for name, method in methods().items():
         method = method.calibrate(model, corpus) if name in CALIBRATED else method.prepare(model)
-        ids, _ = popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
-        logits = np.asarray(popjax.forward(model, tokens, mask, method=method))  # np.asarray: replicated on a multi-host mesh
-        out[name] = {"ids": ids, "logits": logits[:, -4:].tolist()}  # the last positions of both rows
+        nll, _ = teacher_forced(model, method, PROMPTS, targets)
+        out[name] = {"nll": np.asarray(nll).tolist()}
+        if name in GENERATED:
+            out[name]["ids"] = popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)[0]
+    tokens, mask = pad_batch(PROMPTS, 0, length=16, min_rows=2)
+    logits = np.asarray(popjax.forward(model, tokens, mask))  # np.asarray: replicated on a multi-host mesh
+    out["dense"]["logits"] = logits[:, -4:].tolist()  # the last positions of both rows
     return out
 
 
@@ -259,15 +271,19 @@ def test_two_processes_form_one_mesh_and_hold_only_their_blocks(runs):
 
 
 @pytest.mark.parametrize("name", ["dense", "pop-per_shard", "pop-global", "static", "bwap", "prefill-only+pop", *CALIBRATED])
-def test_tokens_and_logits_equal_one_process(runs, name):
-    """Greedy tokens equal, prefill logits within rounding, on both processes."""
+def test_decode_path_equals_one_process(runs, name):
+    """Teacher-forced NLL through prefill and decode within rounding, greedy tokens equal where
+    generated, dense prefill logits within rounding; identical on both processes."""
     want = runs["reference"]["methods"][name]
     for pid in ("0", "1"):
         got = runs[pid]["methods"][name]
-        assert got["ids"] == want["ids"], (name, pid)
-        delta = float(np.abs(np.asarray(got["logits"]) - np.asarray(want["logits"])).max())
-        print(f"{name} process {pid}: max |Δlogit| {delta:.2e}")
-        assert delta <= LOGIT_ATOL, (name, pid, delta)
+        assert set(got) == set(want) == ({"nll", "ids", "logits"} if name == "dense" else {"nll", "ids"} if name in GENERATED else {"nll"})
+        assert got.get("ids") == want.get("ids"), (name, pid)
+        for key in ("nll", "logits"):
+            if key in want:
+                delta = float(np.abs(np.asarray(got[key]) - np.asarray(want[key])).max())
+                print(f"{name} process {pid}: max |Δ{key}| {delta:.2e}")
+                assert delta <= LOGIT_ATOL, (name, key, pid, delta)
     assert runs["0"]["methods"][name] == runs["1"]["methods"][name]  # identical on both processes
 
 

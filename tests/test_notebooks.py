@@ -1,4 +1,6 @@
-"""The notebooks run top to bottom on the default model (small sizes) and their plots render."""
+"""The notebooks run top to bottom (small sizes) and their plots render: on the real default
+model cut to two layers (conftest.short_default_model_dir), which a cell the test adds after the
+setup cell hands to `popjax.load()`; the notebooks in git load the whole model."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from tests.conftest import tiny_program_env
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -23,9 +27,15 @@ def test_notebooks_exist_and_are_stripped():
 
 @pytest.mark.slow  # the notebooks run on the real default model
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_and_plots_render(path, tmp_path, monkeypatch):
+def test_notebook_runs_and_plots_render(path, tmp_path, monkeypatch, short_default_model_dir):
     monkeypatch.setenv("POPJAX_NOTEBOOK_SMALL", "1")  # the kernel inherits the environment
+    for name, value in tiny_program_env().items():  # two layers compile faster unoptimised (conftest.py)
+        monkeypatch.setenv(name, value)
     nb = nbformat.read(path, as_version=4)
+    setup = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
+    assert "import popjax" in nb.cells[setup].source  # the setup cell, then the two-layer model
+    nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(
+        f"import functools\npopjax.load = functools.partial(popjax.load, {str(short_default_model_dir)!r})"))
     NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     pngs = []
     for cell in nb.cells:

@@ -4,7 +4,8 @@ ring-buffer caches split over batch and KV heads, unrolled (every method below o
 dense and POP on (1, 8)) and scanned (dense and POP on (2, 4)), equal to one device.
 
 Dense, static, POP (shared and per shard) and Prefill-Only + POP are teacher-forced through a
-prefill and decode steps that run past the window; the greedy loop runs for POP."""
+prefill and decode steps that run past the window (the step the greedy loop runs); the greedy
+loop itself runs for POP on the unrolled (2, 4) mesh."""
 
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def worker(out_path: str) -> None:
                 out["methods"][f"{name} scan={scan} {shape}"] = {
                     "max_abs_logprob_diff": float(np.abs(got - want).max()),
                     "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
-            # the greedy loop's programs (start, decode_loop) with POP: dense's steps and more
-            ids, _ = generate_ids(placed, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
-            want, _ = generate_ids(single, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
-            out["generate"][f"pop-shared scan={scan} {shape}"] = ids == want
+            if not scan and shape == (2, 4):  # the greedy loop's programs (start, decode_loop) with POP, once
+                ids, _ = generate_ids(placed, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
+                want, _ = generate_ids(single, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
+                out["generate"][f"pop-shared scan={scan} {shape}"] = ids == want
     out["cpu_seconds"] = time.process_time() - start
     Path(out_path).write_text(json.dumps(out, indent=1))
 
@@ -96,4 +97,4 @@ def test_gemma3_on_eight_devices_matches_one_device(eight_devices_gemma3):
     for name, got in results["methods"].items():
         assert got["greedy_same"], name
         assert got["max_abs_logprob_diff"] <= ATOL, (name, got)
-    assert len(results["generate"]) == 3 and all(results["generate"].values()), results["generate"]
+    assert len(results["generate"]) == 1 and all(results["generate"].values()), results["generate"]
