@@ -21,13 +21,13 @@ jax.config.update("jax_disable_most_optimizations", True)
 # XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
 # emitters (measured: tests/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
 # more, and they run its scanned layers 2x slower. So an unoptimised compile takes them, except
-# in tests of the whole real model and those marked `optimized_xla` (`_xla_optimisations`). The option goes where `jax.jit(...,
-# compiler_options=...)` puts its own (jax._src.compiler is private: without it, the same
-# programs compile with the default emitters, only slower). Subprocess workers with tiny
-# models set the same option in XLA_FLAGS (TINY_PROGRAM_XLA_FLAGS).
+# in tests of the whole real model and those marked `optimized_xla` (`_xla_optimisations`).
+# The option goes where `jax.jit(..., compiler_options=...)` puts its own (jax._src.compiler is
+# private: without it, the same programs compile with the default emitters, only slower).
+# Subprocess workers with tiny models set the same option in XLA_FLAGS (TINY_PROGRAM_XLA_FLAGS).
 TINY_PROGRAM_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 TINY_PROGRAM_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TINY_PROGRAM_OPTIONS.items())
-_tiny_programs = [True]  # off while a `slow` or `optimized_xla` test runs
+_tiny_programs = [True]  # off while a test of the whole real model or an `optimized_xla` test runs
 
 
 def tiny_program_env(**extra: str) -> dict[str, str]:
@@ -201,6 +201,14 @@ def tiny_checkpoints(tmp_path_factory):
     return get
 
 
+def run_directory(tmp_path_factory) -> Path:
+    """This run's base temporary directory, the same for both xdist workers (each has its own
+    below it): what the workers share (compiled programs, the two-layer model) goes here, never
+    in a folder an earlier run left."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 # PyPI files, extracted texts and content-keyed conversions
 SHARED_CACHE_PARTS = ("downloads", "data", "converted")
 
@@ -225,8 +233,7 @@ def _isolated_cache(tmp_path_factory):
     # and CLI subprocesses they start (through the environment; the CLI keeps a folder already
     # set), reuse what another one compiled.
     # Never one from an earlier run: a fresh folder under this run's base temporary directory.
-    base = tmp_path_factory.getbasetemp()
-    compiled = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-compilation-cache"
+    compiled = run_directory(tmp_path_factory) / "jax-compilation-cache"
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(compiled)
     jax.config.update("jax_compilation_cache_dir", str(compiled))
     # every program, not only those that took a second (JAX's default): the tiny models' programs
@@ -300,6 +307,4 @@ def short_default_model_dir(tmp_path_factory) -> Path:
         write_into(directory, cfg, params, save_tokenizer,
                    {"source": f"{path} (first {SHORT_LAYERS} layers)", "kind": "gguf", "dtype": "float32"})
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return get_or_make("short-default-model", {"layers": SHORT_LAYERS}, make, root=shared / "shared-cache")
+    return get_or_make("short-default-model", {"layers": SHORT_LAYERS}, make, root=run_directory(tmp_path_factory) / "shared-cache")
