@@ -1,20 +1,21 @@
 """Model configuration read from a HF ``config.json`` (allow-listed fields only).
 
-One frozen, hashable dataclass describes LLaMA, Qwen2 and Qwen3 decoders; it is a
-static argument of every jitted engine function, so two equal configs share compiles.
+One frozen, hashable dataclass describes LLaMA, Qwen2/3, their mixture-of-experts variants
+(`moe_config.MoEConfig`) and Gemma 3 decoders; it is a static argument of every jitted engine
+function, so two equal configs share compiles. Each HF field is parsed and checked in
+models/hf_fields.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
-from .quant import WEIGHT_FORMATS
+from . import hf_fields as hf
+from .hf_fields import FFN_ACTIVATIONS, LAYER_TYPES, ConfigError, RopeScaling  # noqa: F401 (re-exported)
+from .moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf  # noqa: F401 (re-exported)
 
 # HF `architectures` / `model_type` values we accept, and the switches they imply.
 _ARCH_FLAGS = {
@@ -29,28 +30,6 @@ _ARCH_FLAGS = {
     # embeddings scaled by √d, sliding-window and global layers (`layer_types`)
     "gemma3_text": dict(qkv_bias=False, qk_norm=True, sandwich_norms=True, embed_scale=True),
 }
-# The FFN gate activations popjax runs (HF ``hidden_act`` / ``hidden_activation`` names): the
-# gated MLP is act(x W_gᵀ) ⊙ x W_uᵀ; every method reads ``ModelConfig.hidden_act``.
-FFN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# HF names that mean the same function as one of FFN_ACTIVATIONS
-_ACTIVATION_ALIASES = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh"}
-# Attention kinds of HF ``layer_types``: a full (causal) layer, a sliding-window layer
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class ConfigError(ValueError):
-    """A config.json that popjax cannot run (unsupported architecture, bad field)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """HF ``rope_scaling`` / ``rope_parameters`` block; ``rope_type`` keys the rope registry."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,22 +212,22 @@ class ModelConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or n_heads),
                 head_dim=int(raw.get("head_dim") or d // n_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(raw)),
+                rope_theta=float(hf.rope_theta(raw)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                rope_scaling=_rope_scaling(raw),
+                rope_scaling=hf.rope_scaling(raw),
                 bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=_as_tuple(raw.get("eos_token_id")),
-                intermediate_sizes=_layer_widths(raw.get("intermediate_sizes"), int(raw["num_hidden_layers"])),
+                eos_token_ids=hf.as_tuple(raw.get("eos_token_id")),
+                intermediate_sizes=hf.layer_widths(raw.get("intermediate_sizes"), int(raw["num_hidden_layers"])),
                 down_proj_bias=bool(raw.get("down_proj_bias", False)),
                 moe=moe,
-                weights=_weight_format(raw.get("popjax_weights", "float")),
-                hidden_act=_activation(raw, model_type),
-                layer_types=_layer_types(_raw_layer_types(raw), int(raw["num_hidden_layers"])),
-                sliding_window=_sliding_window(raw),
-                rope_local_theta=_local_rope_theta(raw),
-                query_pre_attn_scalar=_float_or_none(raw.get("query_pre_attn_scalar")),
-                final_logit_softcapping=_float_or_none(raw.get("final_logit_softcapping")),
+                weights=hf.weight_format(raw.get("popjax_weights", "float")),
+                hidden_act=hf.activation(raw, model_type),
+                layer_types=hf.layer_types(hf.raw_layer_types(raw), int(raw["num_hidden_layers"])),
+                sliding_window=hf.sliding_window(raw),
+                rope_local_theta=hf.local_rope_theta(raw),
+                query_pre_attn_scalar=hf.float_or_none(raw.get("query_pre_attn_scalar")),
+                final_logit_softcapping=hf.float_or_none(raw.get("final_logit_softcapping")),
                 **flags,
             )
         except KeyError as err:
@@ -275,220 +254,3 @@ class ModelConfig:
 # fields added with Gemma 3, written by `to_hf_dict` only when they differ from their defaults
 _OMITTED_AT_DEFAULT = ("hidden_act", "layer_types", "sliding_window", "rope_local_theta", "sandwich_norms", "embed_scale",
                        "query_pre_attn_scalar", "final_logit_softcapping")
-
-
-def _float_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _activation(raw: Mapping[str, Any], model_type: str) -> str:
-    """``hidden_act`` (or Gemma's ``hidden_activation``) -> one of FFN_ACTIVATIONS."""
-    default = "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
-    value = raw.get("hidden_activation") or raw.get("hidden_act") or default
-    act = _ACTIVATION_ALIASES.get(value, value)
-    if act not in FFN_ACTIVATIONS:
-        raise ConfigError(f"hidden_act={value!r} is not an FFN activation popjax runs; supported: {list(FFN_ACTIVATIONS)}")
-    return act
-
-
-def _layer_types(value: Any, n_layers: int) -> tuple[str, ...] | None:
-    """``layer_types``: None, or one of LAYER_TYPES per layer (None when every layer is full)."""
-    if value is None:
-        return None
-    kinds = tuple(value) if isinstance(value, (list, tuple)) else None
-    if kinds is None or len(kinds) != n_layers:
-        raise ConfigError(
-            f"layer_types={value!r} is invalid: give one entry per layer ({n_layers} layers), each one of {list(LAYER_TYPES)}"
-        )
-    unknown = sorted({str(k) for k in kinds if k not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"layer_types holds {unknown}, not attention kinds popjax runs; each entry is one of {list(LAYER_TYPES)}")
-    return None if set(kinds) == {"full_attention"} else kinds
-
-
-def _raw_layer_types(raw: Mapping[str, Any]) -> Any:
-    """``layer_types``, or for a Gemma 3 config that predates it, the pattern HF derives from
-    ``sliding_window_pattern`` (every n-th layer full, the others sliding)."""
-    if raw.get("layer_types") is not None or raw.get("model_type") != "gemma3_text":
-        return raw.get("layer_types")
-    n, period = int(raw["num_hidden_layers"]), int(raw.get("sliding_window_pattern", 6))
-    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
-
-
-def _sliding_window(raw: Mapping[str, Any]) -> int | None:
-    """``sliding_window`` (an int ≥ 1) when some layer slides, else None (the field is then unused)."""
-    kinds = _raw_layer_types(raw)
-    if not (isinstance(kinds, (list, tuple)) and "sliding_attention" in kinds):
-        return None
-    value = raw.get("sliding_window")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"sliding_window={value!r} is invalid: sliding-window layers need a window of at least 1 position")
-    return value
-
-
-def _weight_format(value: Any) -> str:
-    if value not in WEIGHT_FORMATS:
-        raise ConfigError(f"popjax_weights={value!r} is not a weight format popjax reads: {list(WEIGHT_FORMATS)}")
-    return value
-
-
-def _as_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
-
-
-def _layer_widths(value: Any, n_layers: int) -> tuple[int, ...] | None:
-    """``intermediate_sizes``: None, or one positive int per layer."""
-    if value is None:
-        return None
-    widths = tuple(value) if isinstance(value, (list, tuple)) else ()
-    if len(widths) != n_layers or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
-        raise ConfigError(
-            f"intermediate_sizes={value!r} is invalid: give one integer ≥ 1 per layer ({n_layers} layers)"
-        )
-    return widths
-
-
-def _rope_block(raw: Mapping[str, Any], kind: str = "full_attention") -> Mapping[str, Any]:
-    """The rope block of layers of ``kind``: `rope_scaling` (transformers 4.x) or
-    `rope_parameters` (5.x), which may hold one block per layer type (Gemma 3)."""
-    block = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if any(k in block for k in LAYER_TYPES):
-        block = block.get(kind) or {}
-    return block
-
-
-def _rope_theta(raw: Mapping[str, Any]) -> float:
-    return raw.get("rope_theta") or _rope_block(raw).get("rope_theta") or 10000.0
-
-
-def _local_rope_theta(raw: Mapping[str, Any]) -> float | None:
-    """The sliding layers' RoPE base: Gemma 3's `rope_local_base_freq` (4.x) or the
-    "sliding_attention" block of `rope_parameters` (5.x)."""
-    value = raw.get("rope_local_base_freq")
-    if value is None and raw.get("model_type") == "gemma3_text":
-        value = _rope_block(raw, "sliding_attention").get("rope_theta", 10000.0)
-    return _float_or_none(value)
-
-
-def _rope_scaling(raw: Mapping[str, Any]) -> RopeScaling:
-    """Reads `rope_scaling` (transformers 4.x) or `rope_parameters` (5.x)."""
-    block = _rope_block(raw)
-    rope_type = block.get("rope_type") or block.get("type") or "default"
-    allowed = {f.name for f in dataclasses.fields(RopeScaling)}
-    kwargs = {k: block[k] for k in allowed if k in block and k != "rope_type"}
-    return RopeScaling(rope_type=str(rope_type), **kwargs)
-
-
-# ---------------------------------------------------------------- mixture of experts
-
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
-EXPERT_ACTIVATIONS = ("silu",)  # gated SiLU experts, the only kind pruning is defined for
-# HF router fields some MoE families carry; anything but these values changes the routing.
-ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",)}
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """The MoE part of a ModelConfig (frozen, hashable: part of the jit static config)."""
-
-    num_experts: int  # E routed experts per sparse layer
-    top_k: int  # experts per token
-    expert_size: int  # f_e
-    dense_size: int  # FFN width of a layer without experts (HF intermediate_size)
-    shared_size: int = 0  # f_s of the shared expert, 0 = none
-    shared_gate: bool = False  # sigmoid(x · w_g) scales the shared expert (Qwen2-MoE)
-    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
-    sparse_layers: tuple[int, ...] = ()  # layers with routed experts
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer in self.sparse_layers
-
-    def always_width(self, layer: int) -> int:
-        """Width of the always-active FFN of a layer: the shared expert or the dense FFN."""
-        return self.shared_size if self.is_sparse(layer) else self.dense_size
-
-    def blocks(self, width: int) -> int:
-        return math.ceil(width / self.expert_size)
-
-    def slots(self, n_layers: int) -> int:
-        """Block slots per layer for per-block constants (calibration tables ``[L, slots, ...]``):
-        routed expert e is slot e, always-active block b is slot ``num_experts + b``."""
-        return self.num_experts + max(self.blocks(self.always_width(l)) for l in range(n_layers))
-
-    def slot_mask(self, n_layers: int) -> np.ndarray:
-        """[L, slots] bool: which slots hold a block in each layer (a dense layer has no experts;
-        layers have different numbers of always-active blocks)."""
-        mask = np.zeros((n_layers, self.slots(n_layers)), bool)
-        for l in range(n_layers):
-            mask[l, : self.num_experts] = self.is_sparse(l)
-            mask[l, self.num_experts : self.num_experts + self.blocks(self.always_width(l))] = True
-        return mask
-
-    def activated_mlp_params(self, d: int, n_layers: int) -> int:
-        """FFN parameters a token activates, summed over layers: top-k experts + shared expert
-        in sparse layers, the dense FFN elsewhere (router and shared gate excluded)."""
-        total = 0
-        for layer in range(n_layers):
-            width = self.top_k * self.expert_size + self.shared_size if self.is_sparse(layer) else self.dense_size
-            total += 3 * d * width
-        return total
-
-    def hf_fields(self, model_type: str, n_layers: int) -> dict[str, Any]:
-        """HF config.json fields that `moe_from_hf` reads back to this config."""
-        out = {
-            "num_experts_per_tok": self.top_k,
-            "intermediate_size": self.expert_size if model_type == "mixtral" else self.dense_size,
-        }
-        if model_type == "mixtral":
-            return {**out, "num_local_experts": self.num_experts}
-        return {
-            **out,
-            "num_experts": self.num_experts,
-            "moe_intermediate_size": self.expert_size,
-            "shared_expert_intermediate_size": self.shared_size,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(n_layers) if i not in self.sparse_layers],
-        }
-
-
-def moe_from_hf(raw: Mapping[str, Any], model_type: str, n_layers: int) -> MoEConfig:
-    """The MoE fields of a HF config.json (Qwen2-MoE, Qwen3-MoE or Mixtral) -> MoEConfig."""
-    act = raw.get("hidden_act", "silu")
-    if act not in EXPERT_ACTIVATIONS:
-        raise ConfigError(f"expert type hidden_act={act!r} is not supported; supported: {list(EXPERT_ACTIVATIONS)}")
-    for key, allowed in ROUTER_FIELDS.items():
-        if key in raw and raw[key] not in allowed:
-            raise ConfigError(f"router type {key}={raw[key]!r} is not supported; supported: {list(allowed)}")
-    n_experts = raw.get("num_local_experts") if model_type == "mixtral" else None
-    n_experts = n_experts if n_experts is not None else raw.get("num_experts", raw.get("num_local_experts"))
-    top_k = raw.get("num_experts_per_tok")
-    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key}={value!r} is invalid for {model_type}: give an integer ≥ 1")
-    if top_k > n_experts:
-        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={n_experts}: a token cannot pick more experts than exist")
-    dense = int(raw["intermediate_size"])
-    if model_type == "mixtral":
-        return MoEConfig(n_experts, top_k, dense, dense, norm_topk_prob=True, sparse_layers=tuple(range(n_layers)))
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    only = raw.get("mlp_only_layers") or []
-    bad = [i for i in only if not (isinstance(i, int) and 0 <= i < n_layers)]
-    if bad:
-        raise ConfigError(f"mlp_only_layers={only!r} holds {bad}, not layer indices in [0, {n_layers})")
-    sparse = tuple(i for i in range(n_layers) if i not in only and (i + 1) % step == 0)
-    shared = int(raw.get("shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0
-    return MoEConfig(
-        num_experts=n_experts,
-        top_k=top_k,
-        expert_size=int(raw["moe_intermediate_size"]),
-        dense_size=dense,
-        shared_size=shared,
-        shared_gate=shared > 0,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        sparse_layers=sparse,
-    )

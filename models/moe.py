@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import MoEConfig  # noqa: F401 (re-exported: the MoE config beside its layers)
+from .moe_config import MoEConfig  # noqa: F401 (re-exported: the MoE config beside its layers)
 from .layers import Derived, LinearWeights, linear
 from .quant import dequantized
 

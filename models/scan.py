@@ -14,7 +14,7 @@ the same math as ``Transformer`` (same embedding, final norm, LM head and layer 
   from the stacked buffer, at (layer, block) (slicing a layer out first would copy it), and
   attends to its fresh keys/values directly; the scan emits only those fresh slots
   [L, B, T, n_kv, h], written after it with one ``dynamic_update_slice`` at (0, write_index).
-  The cache is thus updated in place, never copied per step (``_write_slots`` says why the
+  The cache is thus updated in place, never copied per step (``write_slots`` says why the
   write is not inside the scan);
 * the layer index reaches the method as ``weights["layer"]``, a traced int32: methods that pick
   per-layer calibrated constants by it work unchanged;
@@ -34,21 +34,19 @@ Shapes: L layers, B batch, T tokens fed, S cache slots, d hidden, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from typing import NamedTuple
-
-from .attention import (KV_BLOCK, MASKED, NO_WINDOW, attention_scores, finish_softmax, group_queries, init_softmax_carry,
-                        online_softmax_update, ring_attention, ring_from_prompt, ring_slots, ring_write)
+from .attention import NO_WINDOW, ring_from_prompt, ring_slots
 from .config import ModelConfig
 from .decoder import DecoderLayer, MLPFn, Transformer
-from .layers import KVCache, RMSNorm, TokenEmbeddings, linear
+from .layers import KVCache, RMSNorm, TokenEmbeddings
 from .rope import check_rope_type, layer_rope
+from .stacked_attention import KindCaches, stacked_cache_attention, write_slots
 
 UNROLLED = "use the unrolled model (popjax.load(..., scan_layers=False), models.Transformer)"
 
@@ -66,14 +64,6 @@ def check_scannable(cfg: ModelConfig) -> None:
             f"moe.sparse_layers={list(moe.sparse_layers)} of {cfg.num_hidden_layers} layers: a scanned model needs "
             f"every layer alike, but this MoE model mixes dense and expert layers; {UNROLLED}"
         )
-
-
-class KindCaches(NamedTuple):
-    """A scanned model's caches when it has sliding-window layers: the full layers' k, v
-    [L_f, B, S, n_kv, h] and the sliding layers' rings [L_s, B, R, n_kv, h] (in layer order)."""
-
-    full: KVCache
-    sliding: KVCache
 
 
 class _Kinds(NamedTuple):
@@ -209,7 +199,7 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
                 index, layer_params, state, kind = layer_xs
                 layer = nnx.merge(graphdef, layer_params)
                 cos, sin = angles(kind)
-                attn_out, fresh = _stacked_cache_attention(
+                attn_out, fresh = stacked_cache_attention(
                     layer, layer.attn_norm(x), cos, sin, key_valid, caches, index, write_index, kind
                 )
                 x = x + attn_out
@@ -217,7 +207,7 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
                 return x + y, (fresh, state, aux)
 
             x, (fresh, states, aux) = jax.lax.scan(decode_layer, x, xs)
-            caches = _write_slots(cfg, caches, fresh, write_index)
+            caches = write_slots(cfg, caches, fresh, write_index)
         if last_only:
             x = x[:, -1:]
         return self.logits(x), caches, states, aux
@@ -249,95 +239,6 @@ def _check_uniform(gates, schedule, kv_weights) -> None:
             f"gates of shape {tuple(gates.shape)}: virtual layer gates (per-layer importance) are not "
             f"supported by a scanned model; {UNROLLED}"
         )
-
-
-def _stacked_cache_attention(layer: DecoderLayer, x, cos, sin, key_valid, caches, index, write_index, kind):
-    """``Attention.__call__``'s cached path for layer ``index`` of stacked caches (read only):
-    x [B, T, d] -> (out [B, T, d] after the layer's post-attention norm, if any; this layer's
-    fresh KVCache [B, T, n_kv, h] for ``_write_slots``). With layer kinds (``kind``), a
-    ``lax.cond`` reads the layer's own stack: the full layers' cache or the sliding layers' rings."""
-    attn = layer.attn
-    q, k, v = attn.rotated_qkv(x, cos, sin)
-    dtype = (caches.k if isinstance(caches, KVCache) else caches.sliding.k).dtype
-    k, v = k.astype(dtype), v.astype(dtype)
-    if kind is None:
-        out = _layer_cached_attention(q, k, v, caches, index, key_valid, write_index, attn.scale)
-    else:
-        full = lambda: _layer_cached_attention(q, k, v, caches.full, kind.ordinal, key_valid, write_index, attn.scale)
-        ring = lambda: _layer_ring_attention(q, k, v, caches.sliding, kind, key_valid, write_index, attn.scale)
-        out = jax.lax.cond(kind.sliding, ring, full) if layer.cfg.full_layers else ring()
-    out = linear(out.reshape(*x.shape[:2], attn.cfg.q_dim), attn.weight("o"))
-    if layer.cfg.sandwich_norms:
-        out = layer.attn_post_norm(out)
-    return out, KVCache(k, v)
-
-
-def _layer_ring_attention(q, k, v, rings: KVCache, kind, key_valid, write_index, scale) -> jax.Array:
-    """`models.attention.ring_attention` for the sliding layer at ``kind.ordinal`` of stacked rings
-    k, v [L_s, B, R, n_kv, h], read block by block straight from the stack."""
-    B, R = rings.k.shape[1], rings.k.shape[2]
-    zero = jnp.int32(0)
-
-    def read(start, size):
-        at = (kind.ordinal, zero, jnp.asarray(start, jnp.int32), zero, zero)
-        shape = (1, B, size, *rings.k.shape[3:])
-        return jax.lax.dynamic_slice(rings.k, at, shape)[0], jax.lax.dynamic_slice(rings.v, at, shape)[0]
-
-    return ring_attention(q, k, v, read, R, key_valid, write_index, kind.window, scale)
-
-
-def _write_slots(cfg: ModelConfig, caches, fresh: KVCache, write_index):
-    """Writes every layer's fresh keys/values k, v [L, B, T, n_kv, h] into the stacked cache at
-    slot ``write_index`` with one ``dynamic_update_slice`` per array (in place on a donated
-    cache); with layer kinds, the full layers' rows at ``write_index`` and the sliding layers'
-    into their rings at ``write_index mod R``. Writing inside the scan, into a cache the same
-    layer reads, made XLA copy the whole stacked cache in every layer of every step (seen in the
-    compiled HLO); read-only inside the scan and written once after it, the cache is never copied."""
-    zero = jnp.int32(0)
-    at = (zero, zero, jnp.asarray(write_index, jnp.int32), zero, zero)
-    write = lambda c, f: KVCache(jax.lax.dynamic_update_slice(c.k, f.k, at), jax.lax.dynamic_update_slice(c.v, f.v, at))
-    if isinstance(caches, KVCache):
-        return write(caches, fresh)
-    rows = lambda idx: KVCache(fresh.k[np.array(idx, np.int32)], fresh.v[np.array(idx, np.int32)])
-    full = write(caches.full, rows(cfg.full_layers)) if cfg.full_layers else caches.full
-    sliding = rows(cfg.sliding_layers)
-    rings = KVCache(ring_write(caches.sliding.k, sliding.k, write_index, axis=2),
-                    ring_write(caches.sliding.v, sliding.v, write_index, axis=2))
-    return KindCaches(full, rings)
-
-
-def _layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_index, scale=None) -> jax.Array:
-    """``models.attention.cached_attention`` for layer ``layer`` of a stacked cache k, v
-    [L, B, S, n_kv, h]: q, k, v [B, T, ·, h] of the T tokens at slots ``write_index ..`` ->
-    [B, T, n_q, h]. The earlier slots are read block by block straight from the stacked buffer,
-    at (layer, block) (slicing the layer out first would copy it); the T fresh keys/values come
-    from k, v, which are not in the cache yet (``_write_slots``)."""
-    B, T, n_q, h = q.shape
-    S, n_kv = cache.k.shape[2], cache.k.shape[3]
-    qg = group_queries(q, n_kv)
-    bs = min(KV_BLOCK, S)
-    if S % bs:
-        raise ValueError(f"cache of {S} slots is not a multiple of the {bs}-slot block; size it with cache_slots()")
-    layer = jnp.asarray(layer, jnp.int32)
-    zero = jnp.int32(0)
-
-    def key_block(j, carry):
-        at = (layer, zero, (j * bs).astype(jnp.int32), zero, zero)
-        k_j = jax.lax.dynamic_slice(cache.k, at, (1, B, bs, n_kv, h))[0]
-        v_j = jax.lax.dynamic_slice(cache.v, at, (1, B, bs, n_kv, h))[0]
-        valid_j = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1)
-        mask = valid_j & (j * bs + jnp.arange(bs) < write_index)[None]  # [B, bs]: earlier slots only
-        scores = jnp.where(mask[:, None, None, None], attention_scores(qg, k_j, scale), MASKED)
-        return online_softmax_update(carry, scores, v_j)
-
-    n_blocks = (write_index + bs - 1) // bs
-    carry = jax.lax.fori_loop(0, n_blocks, key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h))
-    fresh_valid = jax.lax.dynamic_slice_in_dim(key_valid, write_index, T, axis=1)  # [B, T]
-    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T query, T key]
-    mask = fresh_valid[:, None, :] & causal[None]  # [B, T, T]
-    scores = jnp.where(mask[:, None, None], attention_scores(qg, k, scale), MASKED)
-    carry = online_softmax_update(carry, scores, v)
-    return finish_softmax(carry, cache.v.dtype).reshape(B, T, n_q, h)
 
 
 # ------------------------------------------------------------------- building

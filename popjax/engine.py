@@ -36,7 +36,7 @@ from .ffn import Plan
 from .models.attention import cache_slots
 from .models.decoder import LayerSchedule
 from .models.layers import KVCache
-from .models.scan import KindCaches
+from .models.stacked_attention import KindCaches
 from .sampling import SamplingParams, sample
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -121,7 +121,7 @@ class DecodeState(NamedTuple):
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
     prefix_end: jax.Array  # [] int32: first slot not written by prefill (see models.decoder.LayerSchedule.prefix_masked)
     # L × k, v [B, S, n_kv, h] (a sliding layer: its ring [B, R, n_kv, h]); scanned model: k, v
-    # [L, B, S, n_kv, h], or with sliding layers models.scan.KindCaches (one stack per kind)
+    # [L, B, S, n_kv, h], or with sliding layers models.stacked_attention.KindCaches (one stack per kind)
     caches: tuple[KVCache, ...] | KVCache | KindCaches
     method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 

@@ -21,7 +21,7 @@ jax.config.update("jax_disable_most_optimizations", True)
 # XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
 # emitters (measured: tests/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
 # more, and they run its scanned layers 2x slower. So an unoptimised compile takes them, except
-# in tests of the whole real model and those marked `optimized_xla` (`_xla_optimisations`).
+# in tests marked `real_model` (the whole real model) or `optimized_xla` (`_xla_optimisations`).
 # The option goes where `jax.jit(..., compiler_options=...)` puts its own (jax._src.compiler is
 # private: without it, the same programs compile with the default emitters, only slower).
 # Subprocess workers with tiny models set the same option in XLA_FLAGS (TINY_PROGRAM_XLA_FLAGS).
@@ -162,11 +162,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _xla_optimisations(request):
     """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs'
-    cost); XLA's default emitters for it and for a ``slow`` test of the whole real model (the
-    two-layer cut of `short_default_model_dir` compiles faster with the older ones)."""
+    cost); XLA's default emitters for it and for a ``real_model`` test (the whole real model;
+    the two-layer cut of `short_default_model_dir` compiles faster with the older ones)."""
     optimised = request.node.get_closest_marker("optimized_xla") is not None
-    whole_model = (request.node.get_closest_marker("slow") is not None
-                   and "short_default_model_dir" not in request.fixturenames)
+    whole_model = request.node.get_closest_marker("real_model") is not None
     _tiny_programs[0] = not (optimised or whole_model)
     if optimised:
         jax.config.update("jax_disable_most_optimizations", False)

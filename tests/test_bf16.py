@@ -68,6 +68,7 @@ def test_default_dtype_follows_the_backend(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_default_model_bf16_greedy_agrees_with_fp32():
     """Greedy decoding in bf16 follows fp32 for most tokens (measured: see docs/performance.md)."""
     # scanned layers: the same arithmetic (tests/test_scan.py), a fraction of the trace and compile time

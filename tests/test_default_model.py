@@ -31,12 +31,14 @@ def hf_default_model():
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+@pytest.mark.real_model
 def test_config_of_the_default_model(default_model):
     cfg = default_model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (9, 3, True)
 
 
+@pytest.mark.real_model
 def test_the_default_model_is_read_from_the_cache(default_model, monkeypatch):
     """The GGUF and the conversion are popjax cache entries (`popjax cache list` shows them); the
     second load converts nothing, and the converted entry (large: checked by its manifest) is
@@ -53,6 +55,7 @@ def test_the_default_model_is_read_from_the_cache(default_model, monkeypatch):
     assert cache.check_entry(converted.path, "manifest") is None and cache.check_entry(gguf.parent, "manifest") is None
 
 
+@pytest.mark.real_model
 def test_greedy_generation_matches_transformers(default_model, hf_default_model):
     ours = popjax.generate(default_model, PROMPTS, max_new_tokens=32)  # one left-padded batch
     tok = default_model.tokenizer

@@ -48,7 +48,7 @@ def test_greedy_generation_equals_transformers_past_the_window(name, tiny_checkp
 
 @pytest.mark.parametrize("name", ["gemma3-window", "gemma3-last-sliding"])
 def test_scanned_layers_equal_unrolled_with_mixed_layer_types(name, tiny_checkpoints):
-    """One scan over sliding and full layers (a cache stack per kind, models.scan.KindCaches):
+    """One scan over sliding and full layers (a cache stack per kind, models.stacked_attention.KindCaches):
     the prefill's logits and 12 teacher-forced decode steps past the window equal the unrolled
     model's, and generation equals it token for token."""
     directory, _ = tiny_checkpoints(name)

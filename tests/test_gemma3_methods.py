@@ -137,6 +137,7 @@ def _assert_partition(state, importance, pop, l):
     np.testing.assert_allclose(np.asarray(importance), pop.aux[l], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
 def test_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     """POP (shared): each layer's partition R/C and importance from the prompts (padding
     excluded), the log-probabilities of the prompt's last token and of every decode step, and
@@ -157,6 +158,7 @@ def test_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     np.testing.assert_allclose(logp, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
 @pytest.mark.parametrize("name", ["griffin", "cats"])
 def test_activation_scored_baselines_on_gemma3_match_the_numpy_references(gemma, ready, sweep, name):
     """GRIFFIN (GeGLU activations normalised per token rank the channels) and CATS (calibrated
@@ -197,6 +199,7 @@ def test_cats_thresholds_are_quantiles_of_the_gelu_gate(gemma, ready):
 # ------------------------------------------------------------------ the registry
 
 
+@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_runs_on_gemma3_unrolled_and_scanned(gemma, ready, sweep, name):
     """Prefill of prompts longer than the window, then six tokens fed through the decode path
@@ -227,6 +230,7 @@ def test_every_method_runs_on_gemma3_unrolled_and_scanned(gemma, ready, sweep, n
             np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
 def test_prefill_only_with_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     """The sweep's PrefillOnly(skip both sliding layers) + POP: the skipped layers' rings hold the
     independent K/V of their last window of prompt tokens (layer 2's input: the full layer 1's

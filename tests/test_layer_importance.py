@@ -225,6 +225,7 @@ def test_cli_rejects_zero_samples_before_loading(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_default_model_calibration_mix():
     model = popjax.load()
     prompts, counts = li.calibration_prompts(model, 6)

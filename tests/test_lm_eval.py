@@ -310,6 +310,7 @@ def test_lm_eval_command_names_a_bad_model_arg(converted, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_default_model_scores_with_its_bpe_tokenizer():
     """The real tokenizer merges spaces into words: the joint-encoding split must still match a
     forward pass, and the model must prefer the right answer."""

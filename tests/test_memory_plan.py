@@ -84,6 +84,7 @@ def test_scanned_plan_refuses_per_layer_widths(tmp_path):
     assert result.returncode == 2 and "intermediate_sizes=[96, 64]" in result.stderr
 
 
+@pytest.mark.slow  # starts the CLI in a process with 8 fake devices
 def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
     out = tmp_path / "plan.json"
     env = tiny_program_env()

@@ -32,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the worker runs this file as a script
 from test_sharding import random_tree, tiny_config  # noqa: E402
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]  # slow: starts three JAX processes
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 NEW_TOKENS = 4

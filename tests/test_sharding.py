@@ -582,6 +582,7 @@ def eight_devices(tmp_path_factory) -> dict:
     return run_worker(tmp_path_factory.mktemp("eight_devices"), "--all")
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_other_methods(eight_devices):
     """Every registered method (calibrated ones on random tokens) matches one device on the
     (2, 4) mesh, which splits both the batch and the channels (the core methods of the next test
@@ -595,6 +596,7 @@ def test_eight_devices_other_methods(eight_devices):
     check_methods(eight_devices)
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_int8_weights(eight_devices):
     """An int8 model (models/quant.py) on meshes (1, 8) and (2, 4): every scale is split like
     the output axes of its weight, and dense, static and POP (shared, per shard) give one
@@ -605,6 +607,7 @@ def test_eight_devices_int8_weights(eight_devices):
     check_methods({"methods": int8["methods"]})
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_match_one_device(eight_devices):
     """Dense, static and POP (shared, per sequence, per shard) give the log-probabilities and
     greedy choices of one device on meshes (1, 8) and (2, 4), and those that reduce over rows on
@@ -634,6 +637,7 @@ CANDIDATE_ROWS = {"down_candidates", "up_candidates", "gate_up_candidates", "ban
 CANDIDATE_HEAVY = {"pop-gate", "pop-lowrank"}
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_compact_copies_are_split(eight_devices):
     """Static, POP (global partition, shared or per sequence, and per shard), BWAP, Wanda-sp and
     POP's variants (gate-scored, low-rank, layer bands) keep their compact copies split over the
@@ -653,6 +657,7 @@ def test_eight_devices_compact_copies_are_split(eight_devices):
         assert found["prefill_largest_all_gather"] < threshold, (name, found)
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_restore_into_shardings(eight_devices):
     """``popjax.load(converted dir, mesh=(1, 8))`` restores every tensor straight into its
     sharding (no host placement), unrolled and scanned, with the host path's exact values."""

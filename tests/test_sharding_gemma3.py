@@ -90,6 +90,7 @@ def eight_devices_gemma3(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # starts the 8-device worker process
 def test_gemma3_on_eight_devices_matches_one_device(eight_devices_gemma3):
     results = eight_devices_gemma3
     assert results["devices"] == 8

@@ -185,9 +185,14 @@ class MethodRun:
 
     def stats(self) -> dict[str, Any]:
         ttft, total = float(np.median(self.ttft)), float(np.median(self.total))
+        # each repeat's decode time is its generate minus the prefill timed just before it: a
+        # difference of two separate medians could come out near zero (absurd tokens/s) when the
+        # decode is short against the prefill's own noise
+        decode = float(np.median(np.subtract(self.total, self.ttft)))
         return {
             "ttft_s": ttft,
-            "decode_tokens_per_s": self.batch * (self.max_new_tokens - 1) / max(total - ttft, 1e-9),
+            "decode_s": decode,
+            "decode_tokens_per_s": self.batch * (self.max_new_tokens - 1) / max(decode, 1e-9),
             "generate_s": total,
             "compile_s": max(self.first_s - total, 0.0),
             "compiles": self.compiles,
