@@ -15,7 +15,7 @@ from .methods.prefill_only import kv_calibration
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
     Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP,
-    ShortlistDynamic,
+    ShortlistDynamic, WINA, GLASS, LaRoSa,
 )
 from .convert.default_model import DEFAULT_MODEL
 
@@ -34,6 +34,9 @@ __all__ = [
     "ProbePruning",
     "TEAL",
     "WandaSP",
+    "WINA",
+    "GLASS",
+    "LaRoSa",
     "calibration",
     "layer_importance",
     "memory_plan",

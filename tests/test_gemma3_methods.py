@@ -35,7 +35,7 @@ from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP,
 from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
 
 
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap")
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa")
 
 
 @pytest.fixture(scope="module")

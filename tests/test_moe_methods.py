@@ -66,7 +66,7 @@ def _corpus(windows: int = 6, window: int = 16) -> Corpus:
 
 # ---------------------------------------------------------------- the registry on MoE models
 
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap")
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa")
 
 
 @pytest.fixture(scope="module")

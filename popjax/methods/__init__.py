@@ -13,7 +13,9 @@ from .dense import Dense
 from .dynamic import Dynamic, DynamicPlan
 from .flap import FLAP
 from .pop.gate_scored import GateScoredPlan, GateScoredPOP
+from .glass import GLASS, GLASSPlan, GlobalPrior
 from .griffin import GRIFFIN, GRIFFINPlan
+from .larosa import LaRoSa, LaRoSaPlan, Rotations
 from .pop.layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
 from .pop.low_rank import LowRankFactors, LowRankPlan, LowRankPOP
 from .pop.core import POP, POPPlan, POPShardedPlan
@@ -24,10 +26,11 @@ from .pop.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
 from .static import Static, StaticPlan
 from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
+from .wina import WINA, ColumnNorms, WINAPlan
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly,
-                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP, ShortlistDynamic)
+                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP, ShortlistDynamic, WINA, GLASS, LaRoSa)
 }
 
 

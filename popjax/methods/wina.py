@@ -1,0 +1,210 @@
+"""WINA — weight-informed neuron activation (arXiv 2505.19427; docs/methods.md §5.9).
+
+TEAL zeroes the small entries of a linear layer's input; WINA ranks them by what they change
+in the output instead: for y = W v, dropping v_i moves y by |v_i| · ‖W[:, i]‖₂ (exactly so when
+W's columns are orthogonal), so each decode token keeps the top k of
+
+    x  (the gate/up input, d entries)    |x_i| · c_i      c_i = ‖[W_g; W_u][:, i]‖₂
+    H  (the down input, f entries)       |H_j| · ‖W_d[:, j]‖₂
+
+and a sparse kernel reads only the kept columns of gate/up and of down.
+
+Decisions (docs/methods.md §5.9 gives the reasons):
+
+* **FFN only.** WINA sparsifies the inputs of attention's projections too; popjax prunes the
+  FFN alone (attention is never pruned), so WINA here is its gate/up and down inputs.
+* **One mask for gate and up.** The official code masks gate's and up's copies of x apart
+  (a weight norm on gate, plain |x| on up). Reading column i of both matrices together, the
+  output change of dropping x_i is |x_i| times the norm of the stacked column, c_i above.
+* **Weight norms on both tensors** (``weight_norms="both"``, the paper's rule);
+  ``weight_norms="x"`` scores H by |H_j| alone, as the official code does for down_proj.
+* **Exact top-k per token** (the paper's ``mask_by=topk``), at TEAL's budget: the same
+  sparsity s = 1 − n_keep/f on both tensors, k_x = round(d(1 − s)) and k_h = n_keep, so a
+  kernel reads 2·f·k_x + d·k_h weights per step (≈ 3·d·n_keep, a structured method's bytes).
+  No per-layer allocation search (the paper's greedy search spreads sparsity over attention
+  and FFN projections, which do not both exist here).
+* **No orthogonal transform.** WINA's optional SVD rotation of the residual stream changes
+  every layer's weights; it is not applied.
+* **Prefill is dense**, decode is sparse (as TEAL and BWAP here).
+* **Batches** (``aggregate``): "per_token" (default, the paper's) masks each row by its own
+  top k; "max" / "mean" rank the batch's aggregated scores and share one mask.
+
+The column norms c are computed once in ``prepare`` (an int8 model's from its dequantized
+weights) and reach the compiled steps as the method's data, ``{"wina": {"x_norm": [L, d]}}``
+([L · slots, d] on a MoE model, one row per expert block: `models.moe.table_row`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import calibration, distributed
+from ..convert.fused import dequantize_tree
+from ..loaded import unrolled
+from ..models.config import ModelConfig
+from ..models.moe import slot_array, table_row
+from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
+from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+from .teal import check_threshold_aggregate
+
+WEIGHT_NORMS = ("both", "x")
+
+
+def top_k_mask(scores: jax.Array, valid: jax.Array, k: int, aggregate: str) -> jax.Array:
+    """Which entries of scores [B, 1, n] a step keeps: the top ``k`` of each row ("per_token"),
+    or of the max / mean over the valid rows, shared by every row -> bool, broadcastable to
+    scores. Ties: the lower index first."""
+    if aggregate == "per_token":
+        _, idx = jax.lax.top_k(scores, k)  # [B, 1, k]
+        b = jnp.arange(scores.shape[0])[:, None, None]
+        t = jnp.arange(scores.shape[1])[None, :, None]
+        return jnp.zeros(scores.shape, bool).at[b, t, idx].set(True)
+    masked = jnp.where(valid[..., None], scores, 0.0)
+    if aggregate == "max":
+        agg = jnp.max(masked, axis=(0, 1))
+    else:
+        agg = jnp.sum(masked, axis=(0, 1)) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    _, idx = jax.lax.top_k(agg, k)
+    return jnp.zeros(agg.shape, bool).at[idx].set(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class WINAPlan(Plan):
+    """WINA's decode (see the module docstring): the column norms are the method's data,
+    ``w["data"]["wina"]["x_norm"]``."""
+
+    name: ClassVar[str] = "wina"
+    k_x: int = 0  # entries of x kept per step
+    aggregate: str = "per_token"
+    weight_norms: str = "both"
+    blocks: int = 0  # block slots per layer of a MoE model, 0: dense
+
+    @property
+    def requires_data(self) -> bool:
+        return True
+
+    def prefill(self, w, x, valid):
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
+
+    def decode(self, w, state, x, step, valid):
+        """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
+        c = w["data"]["wina"]["x_norm"][table_row(w, self.blocks)]  # [d]
+        keep_x = top_k_mask(jnp.abs(x.astype(jnp.float32)) * c, valid, self.k_x, self.aggregate)
+        h = activations(w["gate_up"], jnp.where(keep_x, x, 0), gate_activation(w))  # [B, 1, f]
+        scores = jnp.abs(h.astype(jnp.float32))
+        if self.weight_norms == "both":
+            scores = scores * w["down_norm"]
+        keep_h = top_k_mask(scores, valid, self.n_keep, self.aggregate)
+        return with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"])), state, {}
+
+    def ffn_weights_read(self, d: int) -> int:
+        """A sparse kernel's read: the kept columns of gate and up (2·f·k_x), of down (d·n_keep)."""
+        return 2 * self.f * self.k_x + d * self.n_keep
+
+    def ffn_flops_per_token(self, d: int) -> int:
+        return 2 * self.ffn_weights_read(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnNorms:
+    """c_i = ‖[W_g; W_u][:, i]‖₂ of every FFN block: ``norms`` [L, d] (a MoE model: [L · slots,
+    d]); equal and hashed by ``key`` (the model's fingerprint) so a method holding them stays a
+    hashable dataclass."""
+
+    key: str
+    norms: np.ndarray
+    blocks: int = 0
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.norms.shape, self.blocks))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ColumnNorms) and (self.key, self.norms.shape, self.blocks) == (other.key, other.norms.shape, other.blocks)
+
+    def __repr__(self) -> str:
+        return f"ColumnNorms({self.key}, {list(self.norms.shape)})"
+
+
+def column_norms(model) -> ColumnNorms:
+    """`ColumnNorms` of a loaded (unrolled) model, from its dequantized weights, in float64."""
+    cfg = model.config
+    blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
+    pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))
+    layers = {int(i): layer for i, layer in pure["layers"].items()}
+    if blocks:
+        gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]
+    else:
+        gate_ups = [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
+    norms = np.stack([np.sqrt(np.sum(np.asarray(g, np.float64) ** 2, axis=(0, 1))) for g in gate_ups]).astype(np.float32)
+    norms.flags.writeable = False
+    return ColumnNorms(calibration.model_fingerprint(model), norms, blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class WINA(Method):
+    """``WINA(ratio=0.2, aggregate="per_token", weight_norms="both")`` or ``WINA(ffn_sparsity=0.5)``;
+    ``prepare(model)`` computes the gate/up column norms (see the module docstring).
+
+    Args:
+      ratio: global fraction of decoder parameters removed (docs/methods.md §1), as the FFN
+        sparsity s = 1 − n_keep/f on both of its inputs; or ``ffn_sparsity``: s itself.
+      aggregate: "per_token" (each row its own top k), "max" or "mean" (one mask per batch).
+      weight_norms: "both" (x and H scored with their weight norms) or "x" (H by |H| alone).
+    """
+
+    name: ClassVar[str] = "wina"
+    calibrates: ClassVar[bool] = True  # the column norms, once per model
+    aggregates: ClassVar[tuple[str, ...]] = ("per_token", "max", "mean")
+    ratio: float | None = None
+    _: dataclasses.KW_ONLY
+    ffn_sparsity: float | None = None
+    aggregate: str = "per_token"
+    weight_norms: str = "both"
+    norms: ColumnNorms | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        check_ratio_or_sparsity("WINA", self.ratio, self.ffn_sparsity)
+        if self.ratio is None and self.ffn_sparsity is None:
+            object.__setattr__(self, "ratio", DEFAULT_RATIO)
+        check_threshold_aggregate("WINA", self.aggregate)
+        if self.weight_norms not in WEIGHT_NORMS:
+            raise MethodError(f"WINA: weight_norms={self.weight_norms!r} is not one of {WEIGHT_NORMS}")
+        if self.norms is not None and not isinstance(self.norms, ColumnNorms):
+            raise MethodError(f"WINA: norms={self.norms!r} is not ColumnNorms (use prepare(model))")
+
+    def sparsity(self, cfg: ModelConfig) -> float:
+        if self.ratio is None:
+            return float(self.ffn_sparsity)
+        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
+
+    def prepare(self, model) -> "WINA":
+        if self.norms is not None and self.norms.key == calibration.model_fingerprint(model):
+            return self
+        return dataclasses.replace(self, norms=column_norms(unrolled(model)))
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        f, d, s = cfg.intermediate_size, cfg.hidden_size, self.sparsity(cfg)
+        if s == 0.0:
+            return DensePlan(f=f, n_keep=f)
+        if self.norms is None:
+            raise MethodError("WINA has no column norms: use WINA(...).prepare(model) first (popjax.generate does)")
+        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
+        want = (cfg.num_hidden_layers * max(blocks, 1), d)
+        if self.norms.norms.shape != want or self.norms.blocks != blocks:
+            raise MethodError(f"WINA: {self.norms!r} do not fit this model ((layers{' × block slots' if blocks else ''}, d) = {want}): prepare it on this model")
+        k_x = max(1, round(d * (1.0 - s)))
+        return WINAPlan(f=f, n_keep=round(f * (1.0 - s)), k_x=k_x, aggregate=self.aggregate,
+                        weight_norms=self.weight_norms, blocks=blocks)
+
+    def data(self, model) -> dict | None:
+        """``{"wina": {"x_norm": [L, d] float32}}`` ([L · slots, d] on a MoE model); None when
+        the budget prunes nothing."""
+        if not isinstance(self.bind(model.config), WINAPlan):
+            return None
+        return {"wina": {"x_norm": jnp.asarray(self.norms.norms)}}
