@@ -15,7 +15,7 @@ from .methods.prefill_only import kv_calibration
 from .methods import (
     BWAP, CATS, FLAP, GRIFFIN, METHODS, POP, TEAL, Dense, Dynamic, Method, MethodError, PrefillOnly, ProbePruning,
     Static, WandaSP, make_method, GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP,
-    ShortlistDynamic, WINA, GLASS, LaRoSa,
+    ShortlistDynamic, WINA, GLASS, LaRoSa, PrincipalTEAL,
 )
 from .convert.default_model import DEFAULT_MODEL
 
@@ -37,6 +37,7 @@ __all__ = [
     "WINA",
     "GLASS",
     "LaRoSa",
+    "PrincipalTEAL",
     "calibration",
     "layer_importance",
     "memory_plan",

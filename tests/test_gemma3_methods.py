@@ -35,7 +35,7 @@ from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP,
 from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
 
 
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa")
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def ready(gemma):
             if name == "prefill-only":
                 method = make_method("prefill-only+pop", skip=SKIP)
             else:
-                method = make_method(name, **({"rank": 8} if name == "pop-lowrank" else {}))
+                method = make_method(name, **({"rank": 8} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
             if name in CALIBRATED:
                 method = method.calibrate(model, calibration_corpus())
             elif name == "pop-bands":

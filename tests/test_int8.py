@@ -120,11 +120,11 @@ def _ready(name, model):
     """A registered method ready for a tiny model (calibrated on random tokens where it needs it)."""
     from popjax.calibration import Corpus
 
-    method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {}))
+    method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
     if name == "prefill-only":
         method = make_method("prefill-only+pop", skip=(1,))
     corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 160, 6 * 16), window=16)
-    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa"):  # statistics over a corpus (as tests/test_moe_methods.py)
+    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal"):  # statistics over a corpus (as tests/test_moe_methods.py)
         method = method.calibrate(model, corpus, cache=False)
     elif name == "pop-bands":  # its drift, measured on the corpus
         method = method.prepare(model, corpus=corpus)

@@ -66,7 +66,7 @@ def _corpus(windows: int = 6, window: int = 16) -> Corpus:
 
 # ---------------------------------------------------------------- the registry on MoE models
 
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa")
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def ready(models):
             if name == "prefill-only":
                 method = make_method("prefill-only+pop", skip=(0,))
             else:
-                method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {}))
+                method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
             if name in CALIBRATED:
                 method = method.calibrate(model, _corpus())
             elif name == "pop-bands":

@@ -339,7 +339,8 @@ def other_methods(model):
         corpus = Corpus("random", np.random.default_rng(6).integers(0, model.config.vocab_size, (4, 32)))
         out["wina"] = popjax.WINA(0.3)  # its column norms (prepared by the worker)
         for name, method in (("teal", popjax.TEAL(0.3)), ("cats", popjax.CATS(0.3)), ("flap", popjax.FLAP(0.3)),
-                             ("glass", popjax.GLASS(0.3, aggregate="per_sequence")), ("larosa", popjax.LaRoSa(0.3))):
+                             ("glass", popjax.GLASS(0.3, aggregate="per_sequence")), ("larosa", popjax.LaRoSa(0.3)),
+                             ("principal-teal", popjax.PrincipalTEAL(0.3, rank=2))):
             out[name] = method.calibrate(model, corpus, cache=False)  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
         from popjax.methods.wanda_sp import ChannelSelection
 

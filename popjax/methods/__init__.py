@@ -16,6 +16,7 @@ from .pop.gate_scored import GateScoredPlan, GateScoredPOP
 from .glass import GLASS, GLASSPlan, GlobalPrior
 from .griffin import GRIFFIN, GRIFFINPlan
 from .larosa import LaRoSa, LaRoSaPlan, Rotations
+from .principal_teal import PrincipalTEAL, PrincipalTEALPlan
 from .pop.layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
 from .pop.low_rank import LowRankFactors, LowRankPlan, LowRankPOP
 from .pop.core import POP, POPPlan, POPShardedPlan
@@ -30,7 +31,7 @@ from .wina import WINA, ColumnNorms, WINAPlan
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Dense, POP, Static, Dynamic, GRIFFIN, ProbePruning, BWAP, TEAL, CATS, WandaSP, FLAP, PrefillOnly,
-                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP, ShortlistDynamic, WINA, GLASS, LaRoSa)
+                GateScoredPOP, LowRankPOP, LayerBandsPOP, ShortlistPOP, ShortlistDynamic, WINA, GLASS, LaRoSa, PrincipalTEAL)
 }
 
 
