@@ -258,7 +258,7 @@ def test_calibration_hits_the_target_sparsity_on_its_data(tiny_model, tmp_path, 
 
 def test_prepare_calibrates_once_and_generation_reports_densities(tiny_model, monkeypatch):
     corpus = tiny_corpus()
-    monkeypatch.setattr("popjax.methods.teal.default_corpus", lambda model: corpus)
+    monkeypatch.setattr("popjax.methods.base.default_corpus", lambda model: corpus)
     teal = TEAL(ratio=0.2).prepare(tiny_model)
     assert teal.prepare(tiny_model) is teal and teal.thresholds is not None
     assert TEAL(ratio=0.0).prepare(tiny_model).thresholds is None  # dense: nothing to calibrate

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..models.config import ModelConfig
 from ..ffn import Plan, activations, down_proj, gate_activation, gate_and_up  # noqa: F401 (gate_and_up, gate_activation: re-exported for the methods)
 from ..models.quant import dot, take  # noqa: F401 (dot: re-exported for the methods)
+from ..corpus import Corpus, default_corpus, text_file_corpus
 from ..sharding import pad_ids, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
@@ -58,6 +61,27 @@ def kept_channels(cfg: ModelConfig, ratio: float) -> int:
         )
     f = cfg.intermediate_size
     return f - round_half_up(ffn_ratio(cfg, ratio) * f)
+
+
+def resolve_corpus(model, corpus) -> Corpus:
+    """The calibration corpus a method's ``calibrate(model, corpus)`` was given: a `Corpus`, a
+    UTF-8 text file (tokenised with ``model``'s tokenizer), or None (the model's default
+    Shakespeare corpus); MethodError for anything else."""
+    if corpus is None:
+        return default_corpus(model)
+    if isinstance(corpus, (str, Path)):
+        return text_file_corpus(corpus, model.tokenizer)
+    if not isinstance(corpus, Corpus):
+        raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+    return corpus
+
+
+def block_rows(cfg: ModelConfig) -> tuple[int, int]:
+    """(block slots per layer, rows) of a per-block table of calibrated data: (0, L) on a dense
+    model, (slots, L · slots) on a MoE model (a row per (layer, block slot): `models.moe.table_row`)."""
+    L = cfg.num_hidden_layers
+    blocks = 0 if cfg.moe is None else cfg.moe.slots(L)
+    return blocks, L * max(blocks, 1)
 
 
 def check_aggregate(aggregate: str) -> None:
@@ -309,3 +333,25 @@ class RatioMethod(Method):
         if n_keep == f:
             return DensePlan(f=f, n_keep=f)
         return self.plan_class(f=f, n_keep=n_keep, aggregate=self.aggregate, **self.plan_sizes(f, n_keep))
+
+
+class FittedArrays:
+    """Base of the frozen dataclasses that hold what a method fits offline (norms, priors, bases):
+    equal and hashed by their non-array fields and their arrays' shapes — ``source`` names the
+    model (and corpus) they came from — so a method holding them stays a hashable dataclass
+    without hashing megabytes. Subclasses are ``@dataclass(frozen=True, eq=False, repr=False)``."""
+
+    def _identity(self) -> tuple:
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return (type(self).__name__, *(("shape", np.shape(v)) if isinstance(v, np.ndarray) else v for v in values))
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FittedArrays) and self._identity() == other._identity()
+
+    def __repr__(self) -> str:
+        parts = [str(list(v.shape)) if isinstance(v, np.ndarray) else repr(v) for v in
+                 (getattr(self, f.name) for f in dataclasses.fields(self))]
+        return f"{type(self).__name__}({', '.join(parts)})"

@@ -28,17 +28,17 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import gate_activation, DensePlan, MethodError, Plan, activations, down_proj, gate_and_up, kept_channels
+from .base import gate_activation, DensePlan, MethodError, Plan, down_proj, gate_and_up, kept_channels
 from .bwap import with_down_bias
+from .activation_sparsity import DensePrefillPlan
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
 
 @dataclasses.dataclass(frozen=True)
-class CATSPlan(Plan):
+class CATSPlan(DensePrefillPlan):
     """CATS's decode (docs/methods.md §5.6): static budget and batch rule only; the thresholds
     are the method's data, ``w["data"]["thresholds"]["gate"]`` [L] float32 ([L, slots] on a MoE
     model; `popjax.methods.teal.thresholds_data`)."""
@@ -46,13 +46,6 @@ class CATSPlan(Plan):
     name: ClassVar[str] = "cats"
     sparsity: float = 0.0  # target fraction of channels zeroed
     aggregate: str = "max"
-
-    @property
-    def requires_data(self) -> bool:
-        return True
-
-    def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""

@@ -37,18 +37,17 @@ The global prior reaches the compiled steps as the method's data, ``{"glass": {"
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
+from ..calibration import Statistic, calibrate
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, MethodError, Plan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, gate_activation, rank_channels
+from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, gate_activation, rank_channels, resolve_corpus
 from .griffin import griffin_scores
 from .static import StaticPlan
 
@@ -71,23 +70,14 @@ class NormalizedSquares(Statistic):
         return {"sumsq": jnp.sum(z * z, axis=(0, 1))}
 
 
-@dataclasses.dataclass(frozen=True)
-class GlobalPrior:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class GlobalPrior(FittedArrays):
     """The global scores of every FFN block: ``scores`` [L, f] (a MoE model: [L · slots, f]);
-    equal and hashed by ``source`` and shape so a method holding them stays hashable."""
+    ``source``: the model and calibration corpus."""
 
     source: str
     scores: np.ndarray
     blocks: int = 0
-
-    def __hash__(self) -> int:
-        return hash((self.source, self.scores.shape, self.blocks))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, GlobalPrior) and (self.source, self.scores.shape, self.blocks) == (other.source, other.scores.shape, other.blocks)
-
-    def __repr__(self) -> str:
-        return f"GlobalPrior({self.source}, {list(self.scores.shape)})"
 
 
 # λ is applied in integer steps of 1/LAM_STEPS, so the aggregated ranks are exact integers and
@@ -172,12 +162,7 @@ class GLASS(RatioMethod):
         """A copy holding the global prior of ``model`` over ``corpus`` (a `Corpus`, a UTF-8 text
         file, or None: the default Shakespeare corpus), cached by `popjax.calibration.calibrate`."""
         model = unrolled(model)
-        if corpus is None:
-            corpus = default_corpus(model)
-        elif isinstance(corpus, (str, Path)):
-            corpus = text_file_corpus(corpus, model.tokenizer)
-        elif not isinstance(corpus, Corpus):
-            raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+        corpus = resolve_corpus(model, corpus)
         sums = calibrate(model, NormalizedSquares(), corpus, **calibrate_kwargs)["sumsq"]  # [L, f] or [L, slots, f]
         scores = np.sqrt(np.asarray(sums, np.float64)).astype(np.float32).reshape(-1, sums.shape[-1])
         scores.flags.writeable = False
@@ -197,8 +182,8 @@ class GLASS(RatioMethod):
             return plan
         if self.prior is None:
             raise MethodError("GLASS has no global prior: use GLASS(...).calibrate(model) (or .prepare(model)) first")
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-        want = (cfg.num_hidden_layers * max(blocks, 1), cfg.intermediate_size)
+        blocks, rows = block_rows(cfg)
+        want = (rows, cfg.intermediate_size)
         if self.prior.scores.shape != want or self.prior.blocks != blocks:
             raise MethodError(f"GLASS: {self.prior!r} does not fit this model ((layers{' × block slots' if blocks else ''}, f) = {want}): calibrate on it")
         return dataclasses.replace(plan, lam=float(self.lam), score=self.score, blocks=blocks)

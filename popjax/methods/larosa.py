@@ -36,19 +36,18 @@ The rotations reach the compiled steps as the method's data, ``{"larosa": {"rota
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 
-from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
+from ..calibration import Statistic, calibrate
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
-from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
-from .teal import check_threshold_aggregate
+from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .activation_sparsity import DensePrefillPlan, SparsityBudget
+from .bwap import with_down_bias
 from .wina import top_k_mask
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)
@@ -74,40 +73,24 @@ def rotation_from_moment(xx: np.ndarray) -> np.ndarray:
     return vectors[:, np.argsort(-values, kind="stable")]
 
 
-@dataclasses.dataclass(frozen=True)
-class Rotations:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Rotations(FittedArrays):
     """One orthogonal Q [d, d] per FFN block: ``q`` [L, d, d] (a MoE model: [L · slots, d, d]);
-    equal and hashed by ``source`` and shape so a method holding them stays hashable."""
+    ``source``: the model and calibration corpus."""
 
     source: str
     q: np.ndarray
     blocks: int = 0
 
-    def __hash__(self) -> int:
-        return hash((self.source, self.q.shape, self.blocks))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Rotations) and (self.source, self.q.shape, self.blocks) == (other.source, other.q.shape, other.blocks)
-
-    def __repr__(self) -> str:
-        return f"Rotations({self.source}, {list(self.q.shape)})"
-
 
 @dataclasses.dataclass(frozen=True)
-class LaRoSaPlan(Plan):
+class LaRoSaPlan(DensePrefillPlan):
     """LaRoSa's decode (see the module docstring): the rotations are the method's data."""
 
     name: ClassVar[str] = "larosa"
     k_x: int = 0  # rotated entries kept per step (n_keep: down-input entries kept)
     aggregate: str = "per_token"
     blocks: int = 0  # block slots per layer of a MoE model, 0: dense
-
-    @property
-    def requires_data(self) -> bool:
-        return True
-
-    def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
@@ -128,7 +111,7 @@ class LaRoSaPlan(Plan):
 
 
 @dataclasses.dataclass(frozen=True)
-class LaRoSa(Method):
+class LaRoSa(SparsityBudget):
     """``LaRoSa(ratio=0.2, alpha=1.0, aggregate="per_token")`` or ``LaRoSa(ffn_sparsity=0.5)``;
     ``calibrate(model, corpus)`` or ``prepare(model)`` computes the rotations.
 
@@ -141,28 +124,15 @@ class LaRoSa(Method):
 
     name: ClassVar[str] = "larosa"
     calibrates: ClassVar[bool] = True
-    aggregates: ClassVar[tuple[str, ...]] = ("per_token", "max", "mean")
-    ratio: float | None = None
-    _: dataclasses.KW_ONLY
-    ffn_sparsity: float | None = None
-    alpha: float = 1.0
-    aggregate: str = "per_token"
-    rotations: Rotations | None = dataclasses.field(default=None, repr=False)
+    alpha: float = dataclasses.field(default=1.0, kw_only=True)
+    rotations: Rotations | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
-        check_ratio_or_sparsity("LaRoSa", self.ratio, self.ffn_sparsity)
-        if self.ratio is None and self.ffn_sparsity is None:
-            object.__setattr__(self, "ratio", DEFAULT_RATIO)
-        check_threshold_aggregate("LaRoSa", self.aggregate)
+        super().__post_init__()
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 1.5:
             raise MethodError(f"LaRoSa: alpha={self.alpha!r} is outside (0, 1.5]: it is the rotated input's share of the sparsity")
         if self.rotations is not None and not isinstance(self.rotations, Rotations):
             raise MethodError(f"LaRoSa: rotations={self.rotations!r} is not Rotations (use calibrate or prepare)")
-
-    def sparsity(self, cfg: ModelConfig) -> float:
-        if self.ratio is None:
-            return float(self.ffn_sparsity)
-        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
 
     def kept(self, cfg: ModelConfig) -> tuple[int, int]:
         """(k_x, k_h): entries of the rotated input and of the down input kept per step."""
@@ -175,12 +145,7 @@ class LaRoSa(Method):
         """A copy holding the rotations of ``model`` from ``corpus`` (a `Corpus`, a UTF-8 text file,
         or None: the default Shakespeare corpus), the moments cached by `popjax.calibration.calibrate`."""
         model = unrolled(model)
-        if corpus is None:
-            corpus = default_corpus(model)
-        elif isinstance(corpus, (str, Path)):
-            corpus = text_file_corpus(corpus, model.tokenizer)
-        elif not isinstance(corpus, Corpus):
-            raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+        corpus = resolve_corpus(model, corpus)
         moments = np.asarray(calibrate(model, SecondMoment(), corpus, **calibrate_kwargs)["xx"])  # [L, (slots,) d, d]
         d = moments.shape[-1]
         q = np.stack([rotation_from_moment(m) for m in moments.reshape(-1, d, d)]).astype(np.float32)
@@ -201,8 +166,8 @@ class LaRoSa(Method):
             return DensePlan(f=f, n_keep=f)
         if self.rotations is None:
             raise MethodError("LaRoSa has no rotations: use LaRoSa(...).calibrate(model) (or .prepare(model)) first")
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-        want = (cfg.num_hidden_layers * max(blocks, 1), d, d)
+        blocks, rows = block_rows(cfg)
+        want = (rows, d, d)
         if self.rotations.q.shape != want or self.rotations.blocks != blocks:
             raise MethodError(f"LaRoSa: {self.rotations!r} do not fit this model ((layers{' × block slots' if blocks else ''}, d, d) = {want}): calibrate on it")
         k_x, k_h = self.kept(cfg)

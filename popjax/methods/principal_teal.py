@@ -35,21 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..calibration import Corpus, Statistic, calibrate, default_corpus, log_histogram, text_file_corpus
+from ..calibration import Statistic, calibrate, log_histogram
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
-from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+from .activation_sparsity import DensePrefillPlan, SparsityBudget
+from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .bwap import with_down_bias
 from .larosa import LaRoSa
-from .teal import THRESHOLD_AGGREGATES, block_quantiles, check_threshold_aggregate, threshold_keep
+from .teal import block_quantiles, threshold_keep
 
 
 def principal_split(x: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -80,10 +80,10 @@ class ResidualHistograms(Statistic):
         return {"e": log_histogram(rest, valid), "h": log_histogram(h, valid)}
 
 
-@dataclasses.dataclass(frozen=True)
-class PrincipalFit:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class PrincipalFit(FittedArrays):
     """What Principal TEAL calibrates: ``basis`` [rows, d, r], thresholds ``t_e`` and ``t_h``
-    [rows] for ``densities`` (residual, down input); equal and hashed by ``source`` and shapes."""
+    [rows] for ``densities`` (residual, down input); ``source``: the model and corpus."""
 
     source: str
     basis: np.ndarray
@@ -92,21 +92,9 @@ class PrincipalFit:
     densities: tuple[float, float]
     blocks: int = 0
 
-    def _id(self):
-        return (self.source, self.basis.shape, self.densities, self.blocks)
-
-    def __hash__(self) -> int:
-        return hash(self._id())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, PrincipalFit) and self._id() == other._id()
-
-    def __repr__(self) -> str:
-        return f"PrincipalFit({self.source}, basis {list(self.basis.shape)}, densities {self.densities})"
-
 
 @dataclasses.dataclass(frozen=True)
-class PrincipalTEALPlan(Plan):
+class PrincipalTEALPlan(DensePrefillPlan):
     """Principal TEAL's decode (see the module docstring); ``n_keep`` is the down input's
     target kept count, ``k_x`` the input columns read (``rank`` of them principal)."""
 
@@ -115,13 +103,6 @@ class PrincipalTEALPlan(Plan):
     k_x: int = 0
     aggregate: str = "per_token"
     blocks: int = 0
-
-    @property
-    def requires_data(self) -> bool:
-        return True
-
-    def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, actual densities: fp32 scalars)."""
@@ -143,7 +124,7 @@ class PrincipalTEALPlan(Plan):
 
 
 @dataclasses.dataclass(frozen=True)
-class PrincipalTEAL(Method):
+class PrincipalTEAL(SparsityBudget):
     """``PrincipalTEAL(ratio=0.2, rank=16, aggregate="per_token")`` or ``PrincipalTEAL(ffn_sparsity=0.5)``;
     ``calibrate(model, corpus)`` or ``prepare(model)`` fits the bases and thresholds.
 
@@ -155,28 +136,15 @@ class PrincipalTEAL(Method):
 
     name: ClassVar[str] = "principal-teal"
     calibrates: ClassVar[bool] = True
-    aggregates: ClassVar[tuple[str, ...]] = THRESHOLD_AGGREGATES
-    ratio: float | None = None
-    _: dataclasses.KW_ONLY
-    ffn_sparsity: float | None = None
-    rank: int = 16
-    aggregate: str = "per_token"
-    fit: PrincipalFit | None = dataclasses.field(default=None, repr=False)
+    rank: int = dataclasses.field(default=16, kw_only=True)
+    fit: PrincipalFit | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
-        check_ratio_or_sparsity("PrincipalTEAL", self.ratio, self.ffn_sparsity)
-        if self.ratio is None and self.ffn_sparsity is None:
-            object.__setattr__(self, "ratio", DEFAULT_RATIO)
-        check_threshold_aggregate("PrincipalTEAL", self.aggregate)
+        super().__post_init__()
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise MethodError(f"PrincipalTEAL: rank={self.rank!r} is invalid; give an integer ≥ 1 (below the kept input columns)")
         if self.fit is not None and not isinstance(self.fit, PrincipalFit):
             raise MethodError(f"PrincipalTEAL: fit={self.fit!r} is not a PrincipalFit (use calibrate or prepare)")
-
-    def sparsity(self, cfg: ModelConfig) -> float:
-        if self.ratio is None:
-            return float(self.ffn_sparsity)
-        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
 
     def sizes(self, cfg: ModelConfig) -> tuple[int, int]:
         """(k_x, k_h): input columns read (``rank`` principal, the rest residual) and down-input
@@ -200,12 +168,7 @@ class PrincipalTEAL(Method):
         """A copy holding the fitted bases (LaRoSa's rotations, the same cached moments, cut to
         ``rank`` axes) and the thresholds at this budget's densities (cached histograms)."""
         model = unrolled(model)
-        if corpus is None:
-            corpus = default_corpus(model)
-        elif isinstance(corpus, (str, Path)):
-            corpus = text_file_corpus(corpus, model.tokenizer)
-        elif not isinstance(corpus, Corpus):
-            raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+        corpus = resolve_corpus(model, corpus)
         cfg = model.config
         dens_e, dens_h = self.densities(cfg)
         rotations = LaRoSa(self.ratio, ffn_sparsity=self.ffn_sparsity).calibrate(model, corpus, **calibrate_kwargs).rotations
@@ -232,8 +195,8 @@ class PrincipalTEAL(Method):
             return DensePlan(f=f, n_keep=f)
         if self.fit is None:
             raise MethodError("PrincipalTEAL is not fitted: use PrincipalTEAL(...).calibrate(model) (or .prepare(model)) first")
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-        want = (cfg.num_hidden_layers * max(blocks, 1), d, self.rank)
+        blocks, rows = block_rows(cfg)
+        want = (rows, d, self.rank)
         if self.fit.basis.shape != want or self.fit.blocks != blocks or self.fit.densities != self.densities(cfg):
             raise MethodError(f"PrincipalTEAL: {self.fit!r} does not fit this model and budget (basis {want}, densities "
                               f"{self.densities(cfg)}): calibrate on it")

@@ -38,7 +38,6 @@ no threshold table is baked into the program. The plans hold only the static bud
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -46,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..loaded import unrolled
-from ..calibration import Corpus, Statistic, calibrate, default_corpus, histogram_quantile, log_histogram, text_file_corpus
+from ..calibration import Statistic, calibrate, histogram_quantile, log_histogram
 from ..models.config import ModelConfig
-from .base import gate_activation, DensePlan, Method, MethodError, Plan, activations, dot, down_proj, kept_channels
-from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+from .base import gate_activation, DensePlan, MethodError, Plan, activations, dot, down_proj, resolve_corpus
+from .activation_sparsity import THRESHOLD_AGGREGATES, DensePrefillPlan, SparsityBudget, check_threshold_aggregate  # noqa: F401 (re-exported)
+from .bwap import with_down_bias
 
-THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +86,7 @@ class AbsHistograms(Statistic):
 def calibrate_thresholds(model, targets: dict[str, tuple[str, float]], corpus=None, **calibrate_kwargs) -> Thresholds:
     """targets = {tensor name: (histogram name, sparsity)} -> per-layer quantile thresholds.
     ``corpus``: a `Corpus`, a UTF-8 text file path, or None (the default Shakespeare corpus)."""
-    if corpus is None:
-        corpus = default_corpus(model)
-    elif isinstance(corpus, (str, Path)):
-        corpus = text_file_corpus(corpus, model.tokenizer)
-    elif not isinstance(corpus, Corpus):
-        raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
+    corpus = resolve_corpus(model, corpus)
     hist = calibrate(model, AbsHistograms(), corpus, **calibrate_kwargs)
     per_tensor = tuple((tensor, block_quantiles(np.asarray(hist[stat]), s)) for tensor, (stat, s) in targets.items())
     sparsity = tuple((tensor, s) for tensor, (_, s) in targets.items())
@@ -147,29 +141,18 @@ def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str)
     return keep, jnp.mean(keep.astype(jnp.float32))
 
 
-def check_threshold_aggregate(method: str, aggregate: str) -> None:
-    if aggregate not in THRESHOLD_AGGREGATES:
-        raise MethodError(f"{method}: aggregate={aggregate!r} is not one of {THRESHOLD_AGGREGATES}")
-
-
 @dataclasses.dataclass(frozen=True)
-class ThresholdMethod(Method):
-    """Base of TEAL and CATS: a budget (``ratio`` or ``ffn_sparsity``), the batch rule and the
-    calibrated `Thresholds` (None until `calibrate`; ``bind`` needs them)."""
+class ThresholdMethod(SparsityBudget):
+    """Base of TEAL and CATS: a budget (``ratio`` or ``ffn_sparsity``), the batch rule (one mask
+    per batch from the max by default) and the calibrated `Thresholds` (None until `calibrate`;
+    ``bind`` needs them)."""
 
     calibrates: ClassVar[bool] = True
-    aggregates: ClassVar[tuple[str, ...]] = THRESHOLD_AGGREGATES
-    ratio: float | None = None
-    _: dataclasses.KW_ONLY
-    ffn_sparsity: float | None = None
-    aggregate: str = "max"
-    thresholds: Thresholds | None = None
+    aggregate: str = dataclasses.field(default="max", kw_only=True)
+    thresholds: Thresholds | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
-        check_ratio_or_sparsity(type(self).__name__, self.ratio, self.ffn_sparsity)
-        if self.ratio is None and self.ffn_sparsity is None:
-            object.__setattr__(self, "ratio", DEFAULT_RATIO)
-        check_threshold_aggregate(type(self).__name__, self.aggregate)
+        super().__post_init__()
         if self.thresholds is not None and not isinstance(self.thresholds, Thresholds):
             raise MethodError(f"{type(self).__name__}: thresholds={self.thresholds!r} is not a Thresholds (use calibrate)")
 
@@ -224,7 +207,7 @@ class ThresholdMethod(Method):
 
 
 @dataclasses.dataclass(frozen=True)
-class TEALPlan(Plan):
+class TEALPlan(DensePrefillPlan):
     """TEAL's decode (docs/methods.md §5.5): static budget and batch rule only; the thresholds
     are the method's data, ``w["data"]["thresholds"]["x"]`` and ``["h"]``, each [L] float32
     ([L, slots] on a MoE model; `thresholds_data`)."""
@@ -232,13 +215,6 @@ class TEALPlan(Plan):
     name: ClassVar[str] = "teal"
     sparsity: float = 0.0  # target on both tensors
     aggregate: str = "max"
-
-    @property
-    def requires_data(self) -> bool:
-        return True
-
-    def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
@@ -263,11 +239,6 @@ class TEAL(ThresholdMethod):
     ``.calibrate(model)`` (see the module docstring)."""
 
     name: ClassVar[str] = "teal"
-
-    def sparsity(self, cfg: ModelConfig) -> float:
-        if self.ratio is None:
-            return float(self.ffn_sparsity)
-        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
 
     def targets(self, cfg):
         s = self.sparsity(cfg)

@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..loaded import unrolled
-from ..calibration import Corpus, Statistic, calibrate, default_corpus, text_file_corpus
+from ..calibration import Corpus, Statistic, calibrate
 from ..models.config import ModelConfig
 from .base import gate_activation, DensePlan, Method, MethodError, Plan, activations, check_global_ratio, down_proj, kept_channels, masked_down
-from .base import copy_channels, copy_gate_up, rank_channels
+from .base import copy_channels, copy_gate_up, rank_channels, resolve_corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,17 +145,6 @@ class SelectionPlan(Plan):
 
     def ffn_weights_read(self, d: int) -> int:
         return 3 * d * self.n_max
-
-
-def resolve_corpus(model, corpus: Corpus | str | Path | None) -> Corpus:
-    """None -> the default Shakespeare corpus; a path -> that UTF-8 text file; a Corpus as is."""
-    if corpus is None:
-        return default_corpus(model)
-    if isinstance(corpus, (str, Path)):
-        return text_file_corpus(corpus, model.tokenizer)
-    if not isinstance(corpus, Corpus):
-        raise MethodError(f"corpus={corpus!r} is neither a popjax.calibration.Corpus nor a text file path")
-    return corpus
 
 
 def check_uniform_ffn(cfg: ModelConfig, method: str) -> None:

@@ -49,9 +49,9 @@ from ..convert.fused import dequantize_tree
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import slot_array, table_row
-from .base import DensePlan, Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
-from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
-from .teal import check_threshold_aggregate
+from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation
+from .activation_sparsity import DensePrefillPlan, SparsityBudget
+from .bwap import with_down_bias
 
 WEIGHT_NORMS = ("both", "x")
 
@@ -75,7 +75,7 @@ def top_k_mask(scores: jax.Array, valid: jax.Array, k: int, aggregate: str) -> j
 
 
 @dataclasses.dataclass(frozen=True)
-class WINAPlan(Plan):
+class WINAPlan(DensePrefillPlan):
     """WINA's decode (see the module docstring): the column norms are the method's data,
     ``w["data"]["wina"]["x_norm"]``."""
 
@@ -84,13 +84,6 @@ class WINAPlan(Plan):
     aggregate: str = "per_token"
     weight_norms: str = "both"
     blocks: int = 0  # block slots per layer of a MoE model, 0: dense
-
-    @property
-    def requires_data(self) -> bool:
-        return True
-
-    def prefill(self, w, x, valid):
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
@@ -111,24 +104,14 @@ class WINAPlan(Plan):
         return 2 * self.ffn_weights_read(d)
 
 
-@dataclasses.dataclass(frozen=True)
-class ColumnNorms:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ColumnNorms(FittedArrays):
     """c_i = ‖[W_g; W_u][:, i]‖₂ of every FFN block: ``norms`` [L, d] (a MoE model: [L · slots,
-    d]); equal and hashed by ``key`` (the model's fingerprint) so a method holding them stays a
-    hashable dataclass."""
+    d]); ``key``: the model's fingerprint."""
 
     key: str
     norms: np.ndarray
     blocks: int = 0
-
-    def __hash__(self) -> int:
-        return hash((self.key, self.norms.shape, self.blocks))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ColumnNorms) and (self.key, self.norms.shape, self.blocks) == (other.key, other.norms.shape, other.blocks)
-
-    def __repr__(self) -> str:
-        return f"ColumnNorms({self.key}, {list(self.norms.shape)})"
 
 
 def column_norms(model) -> ColumnNorms:
@@ -147,7 +130,7 @@ def column_norms(model) -> ColumnNorms:
 
 
 @dataclasses.dataclass(frozen=True)
-class WINA(Method):
+class WINA(SparsityBudget):
     """``WINA(ratio=0.2, aggregate="per_token", weight_norms="both")`` or ``WINA(ffn_sparsity=0.5)``;
     ``prepare(model)`` computes the gate/up column norms (see the module docstring).
 
@@ -160,28 +143,15 @@ class WINA(Method):
 
     name: ClassVar[str] = "wina"
     calibrates: ClassVar[bool] = True  # the column norms, once per model
-    aggregates: ClassVar[tuple[str, ...]] = ("per_token", "max", "mean")
-    ratio: float | None = None
-    _: dataclasses.KW_ONLY
-    ffn_sparsity: float | None = None
-    aggregate: str = "per_token"
-    weight_norms: str = "both"
-    norms: ColumnNorms | None = dataclasses.field(default=None, repr=False)
+    weight_norms: str = dataclasses.field(default="both", kw_only=True)
+    norms: ColumnNorms | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
-        check_ratio_or_sparsity("WINA", self.ratio, self.ffn_sparsity)
-        if self.ratio is None and self.ffn_sparsity is None:
-            object.__setattr__(self, "ratio", DEFAULT_RATIO)
-        check_threshold_aggregate("WINA", self.aggregate)
+        super().__post_init__()
         if self.weight_norms not in WEIGHT_NORMS:
             raise MethodError(f"WINA: weight_norms={self.weight_norms!r} is not one of {WEIGHT_NORMS}")
         if self.norms is not None and not isinstance(self.norms, ColumnNorms):
             raise MethodError(f"WINA: norms={self.norms!r} is not ColumnNorms (use prepare(model))")
-
-    def sparsity(self, cfg: ModelConfig) -> float:
-        if self.ratio is None:
-            return float(self.ffn_sparsity)
-        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
 
     def prepare(self, model) -> "WINA":
         if self.norms is not None and self.norms.key == calibration.model_fingerprint(model):
@@ -194,8 +164,8 @@ class WINA(Method):
             return DensePlan(f=f, n_keep=f)
         if self.norms is None:
             raise MethodError("WINA has no column norms: use WINA(...).prepare(model) first (popjax.generate does)")
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-        want = (cfg.num_hidden_layers * max(blocks, 1), d)
+        blocks, rows = block_rows(cfg)
+        want = (rows, d)
         if self.norms.norms.shape != want or self.norms.blocks != blocks:
             raise MethodError(f"WINA: {self.norms!r} do not fit this model ((layers{' × block slots' if blocks else ''}, d) = {want}): prepare it on this model")
         k_x = max(1, round(d * (1.0 - s)))

@@ -1,0 +1,64 @@
+"""What the per-token activation-sparsity methods share (TEAL, CATS, WINA, LaRoSa, principal
+TEAL; docs/methods.md §5.5–§5.11, §12): the budget (a global ``ratio`` or the paper's
+``ffn_sparsity``), the batch rule (``aggregate``) and the dense prefill of their plans.
+
+These methods sparsify the MLP's inputs at every decode step and leave the prompt dense; a plan
+reads its calibrated data from ``w["data"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ..models.config import ModelConfig
+from .base import Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
+from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+
+THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
+
+
+def check_threshold_aggregate(method: str, aggregate: str) -> None:
+    if aggregate not in THRESHOLD_AGGREGATES:
+        raise MethodError(f"{method}: aggregate={aggregate!r} is not one of {THRESHOLD_AGGREGATES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityBudget(Method):
+    """A method whose budget is an FFN sparsity s: given as the global ``ratio`` (s = 1 −
+    n_keep/f, the weights a structured method keeping n_keep channels reads) or directly as
+    ``ffn_sparsity``; ``aggregate`` is the batch rule (per token, or one mask from the batch's
+    max / mean)."""
+
+    aggregates: ClassVar[tuple[str, ...]] = THRESHOLD_AGGREGATES
+    ratio: float | None = None
+    _: dataclasses.KW_ONLY
+    ffn_sparsity: float | None = None
+    aggregate: str = "per_token"
+
+    def __post_init__(self):
+        name = type(self).__name__
+        check_ratio_or_sparsity(name, self.ratio, self.ffn_sparsity)
+        if self.ratio is None and self.ffn_sparsity is None:
+            object.__setattr__(self, "ratio", DEFAULT_RATIO)
+        check_threshold_aggregate(name, self.aggregate)
+
+    def sparsity(self, cfg: ModelConfig) -> float:
+        """The FFN sparsity s of this budget on ``cfg``."""
+        if self.ratio is None:
+            return float(self.ffn_sparsity)
+        return 1.0 - kept_channels(cfg, self.ratio) / cfg.intermediate_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePrefillPlan(Plan):
+    """A plan whose prompt runs the full FFN (plus a FLAP checkpoint's down bias) and whose decode
+    reads the method's calibrated data."""
+
+    @property
+    def requires_data(self) -> bool:
+        return True
+
+    def prefill(self, w, x, valid):
+        """x [B, T, d] -> (dense y [B, T, d], no state, no aux)."""
+        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
