@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from popjax import engine
 from popjax.calibration import Corpus
 from popjax.generation import pad_batch
-from popjax.methods import GLASS, GRIFFIN, WINA, GLASSPlan, MethodError, WINAPlan, kept_channels, make_method
+from popjax.methods import (GLASS, GRIFFIN, WINA, GLASSPlan, LaRoSa, LaRoSaPlan, MethodError, PrincipalTEAL, PrincipalTEALPlan,
+                            WINAPlan, kept_channels, make_method)
 from popjax.methods.glass import GlobalPrior
+from popjax.methods.larosa import DAMPING, Rotations, rotation_from_moment
 from popjax.methods.wina import ColumnNorms
 from tests.reference import as_jax, random_batch, random_layer, ref_hidden, ref_rank
 
@@ -106,7 +109,7 @@ def test_wina_on_the_tiny_model(tiny_model):
     model = tiny_model
     cfg = model.config
     method = WINA(0.3).prepare(model)
-    params = {int(i): l for i, l in __import__("flax").nnx.to_pure_dict(model.params)["layers"].items()}
+    params = {int(i): l for i, l in nnx.to_pure_dict(model.params)["layers"].items()}
     for l in range(cfg.num_hidden_layers):
         g = np.asarray(params[l]["mlp"]["gate_up"], np.float64)
         np.testing.assert_allclose(method.norms.norms[l], np.sqrt((g ** 2).sum(axis=(0, 1))), rtol=1e-6)
@@ -248,8 +251,6 @@ def ref_larosa_decode(W, Q, x, valid, k_x, k_h, aggregate):
 @pytest.mark.parametrize("aggregate", ["per_token", "max", "mean"])
 @pytest.mark.parametrize("f, k_h, k_x", [(96, 40, 9), (32, 1, 1), (24, 24, 16)])
 def test_larosa_matches_reference(f, k_h, k_x, aggregate):
-    from popjax.methods.larosa import LaRoSaPlan, rotation_from_moment
-
     rng = np.random.default_rng(f + k_h + k_x)
     d = 16
     W = random_layer(rng, d, f)
@@ -267,8 +268,6 @@ def test_larosa_matches_reference(f, k_h, k_x, aggregate):
 
 
 def test_rotation_is_the_damped_second_moments_eigenbasis():
-    from popjax.methods.larosa import DAMPING, rotation_from_moment
-
     rng = np.random.default_rng(7)
     A = rng.normal(size=(200, 12)) * rng.uniform(0.1, 3.0, 12)
     M = A.T @ A
@@ -282,9 +281,6 @@ def test_rotation_is_the_damped_second_moments_eigenbasis():
 def test_larosa_on_the_tiny_model(tiny_model):
     """Rotations calibrated through the pipeline are orthogonal; the rotated model without
     sparsity equals the original within 1e-5; the budget; errors name the value."""
-    from popjax.methods import LaRoSa
-    from popjax.methods.larosa import LaRoSaPlan, Rotations
-
     model = tiny_model
     cfg = model.config
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -346,9 +342,6 @@ def ref_principal_teal_decode(W, P, x, valid, t_e, t_h, aggregate):
 @pytest.mark.parametrize("aggregate", ["per_token", "max", "mean"])
 @pytest.mark.parametrize("rank", [1, 4])
 def test_principal_teal_matches_reference(rank, aggregate):
-    from popjax.methods.larosa import rotation_from_moment
-    from popjax.methods.principal_teal import PrincipalTEALPlan
-
     rng = np.random.default_rng(rank + len(aggregate))
     d, f = 16, 48
     W = random_layer(rng, d, f)
@@ -373,9 +366,6 @@ def test_principal_teal_on_the_tiny_model(tiny_model):
     """The bases are LaRoSa's top axes; the thresholds are the calibration quantiles at the
     budget's densities, which the reads of §12 meet; with zero thresholds the method is the dense
     model (principal part + whole residual = x); errors name the value."""
-    from popjax.methods import LaRoSa, PrincipalTEAL
-    from popjax.methods.principal_teal import PrincipalTEALPlan
-
     model = tiny_model
     cfg = model.config
     d, f = cfg.hidden_size, cfg.intermediate_size

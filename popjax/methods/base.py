@@ -17,7 +17,12 @@ import numpy as np
 from ..models.config import ModelConfig
 from ..ffn import Plan, activations, down_proj, gate_activation, gate_and_up  # noqa: F401 (gate_and_up, gate_activation: re-exported for the methods)
 from ..models.quant import dot, take  # noqa: F401 (dot: re-exported for the methods)
+from flax import nnx
+
+from .. import distributed
+from ..convert.fused import dequantize_tree
 from ..corpus import Corpus, default_corpus, text_file_corpus
+from ..models.moe import slot_array
 from ..sharding import pad_ids, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
@@ -82,6 +87,19 @@ def block_rows(cfg: ModelConfig) -> tuple[int, int]:
     L = cfg.num_hidden_layers
     blocks = 0 if cfg.moe is None else cfg.moe.slots(L)
     return blocks, L * max(blocks, 1)
+
+
+def gate_up_blocks(model) -> list[np.ndarray]:
+    """Every FFN block's gate/up weights [2, f, d] of a loaded (unrolled) model, an int8 model's
+    dequantized, gathered to the host from every process, in the row order of a per-block data
+    table (`block_rows`): per layer, or per (layer, block slot) on a MoE model (a slot without a
+    block is zeros)."""
+    cfg = model.config
+    pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))
+    layers = {int(i): layer for i, layer in pure["layers"].items()}
+    if cfg.moe is not None:
+        return [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]
+    return [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
 
 
 def check_aggregate(aggregate: str) -> None:

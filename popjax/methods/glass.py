@@ -166,8 +166,7 @@ class GLASS(RatioMethod):
         sums = calibrate(model, NormalizedSquares(), corpus, **calibrate_kwargs)["sumsq"]  # [L, f] or [L, slots, f]
         scores = np.sqrt(np.asarray(sums, np.float64)).astype(np.float32).reshape(-1, sums.shape[-1])
         scores.flags.writeable = False
-        cfg = model.config
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
+        blocks, _ = block_rows(model.config)
         return dataclasses.replace(self, prior=GlobalPrior(f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)", scores, blocks))
 
     def prepare(self, model) -> "GLASS":

@@ -46,9 +46,8 @@ from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
-from .activation_sparsity import DensePrefillPlan, SparsityBudget
+from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
 from .bwap import with_down_bias
-from .wina import top_k_mask
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)
 
@@ -150,8 +149,7 @@ class LaRoSa(SparsityBudget):
         d = moments.shape[-1]
         q = np.stack([rotation_from_moment(m) for m in moments.reshape(-1, d, d)]).astype(np.float32)
         q.flags.writeable = False
-        cfg = model.config
-        blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
+        blocks, _ = block_rows(model.config)
         return dataclasses.replace(self, rotations=Rotations(f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)", q, blocks))
 
     def prepare(self, model) -> "LaRoSa":

@@ -48,7 +48,7 @@ from ..loaded import unrolled
 from ..calibration import Statistic, calibrate, histogram_quantile, log_histogram
 from ..models.config import ModelConfig
 from .base import gate_activation, DensePlan, MethodError, Plan, activations, dot, down_proj, resolve_corpus
-from .activation_sparsity import THRESHOLD_AGGREGATES, DensePrefillPlan, SparsityBudget, check_threshold_aggregate  # noqa: F401 (re-exported)
+from .activation_sparsity import THRESHOLD_AGGREGATES, DensePrefillPlan, SparsityBudget, batch_scores, check_threshold_aggregate  # noqa: F401 (re-exported)
 from .bwap import with_down_bias
 
 
@@ -132,12 +132,7 @@ def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str)
         n_valid = jnp.sum(valid)
         density = jnp.sum(jnp.where(rows, keep, False)) / jnp.maximum(n_valid * v.shape[-1], 1)
         return keep, density.astype(jnp.float32)
-    masked = jnp.where(rows, a, 0.0)
-    if aggregate == "max":
-        agg = jnp.max(masked, axis=(0, 1))
-    else:
-        agg = jnp.sum(masked, axis=(0, 1)) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
-    keep = agg > t
+    keep = batch_scores(a, valid, aggregate) > t
     return keep, jnp.mean(keep.astype(jnp.float32))
 
 

@@ -39,39 +39,18 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from .. import calibration, distributed
-from ..convert.fused import dequantize_tree
+from .. import calibration
 from ..loaded import unrolled
 from ..models.config import ModelConfig
-from ..models.moe import slot_array, table_row
-from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation
-from .activation_sparsity import DensePrefillPlan, SparsityBudget
+from ..models.moe import table_row
+from .base import DensePlan, FittedArrays, block_rows, gate_up_blocks, MethodError, Plan, activations, down_proj, gate_activation
+from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
 from .bwap import with_down_bias
 
 WEIGHT_NORMS = ("both", "x")
-
-
-def top_k_mask(scores: jax.Array, valid: jax.Array, k: int, aggregate: str) -> jax.Array:
-    """Which entries of scores [B, 1, n] a step keeps: the top ``k`` of each row ("per_token"),
-    or of the max / mean over the valid rows, shared by every row -> bool, broadcastable to
-    scores. Ties: the lower index first."""
-    if aggregate == "per_token":
-        _, idx = jax.lax.top_k(scores, k)  # [B, 1, k]
-        b = jnp.arange(scores.shape[0])[:, None, None]
-        t = jnp.arange(scores.shape[1])[None, :, None]
-        return jnp.zeros(scores.shape, bool).at[b, t, idx].set(True)
-    masked = jnp.where(valid[..., None], scores, 0.0)
-    if aggregate == "max":
-        agg = jnp.max(masked, axis=(0, 1))
-    else:
-        agg = jnp.sum(masked, axis=(0, 1)) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
-    _, idx = jax.lax.top_k(agg, k)
-    return jnp.zeros(agg.shape, bool).at[idx].set(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,15 +95,9 @@ class ColumnNorms(FittedArrays):
 
 def column_norms(model) -> ColumnNorms:
     """`ColumnNorms` of a loaded (unrolled) model, from its dequantized weights, in float64."""
-    cfg = model.config
-    blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
-    pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))
-    layers = {int(i): layer for i, layer in pure["layers"].items()}
-    if blocks:
-        gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]
-    else:
-        gate_ups = [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
-    norms = np.stack([np.sqrt(np.sum(np.asarray(g, np.float64) ** 2, axis=(0, 1))) for g in gate_ups]).astype(np.float32)
+    blocks, _ = block_rows(model.config)
+    norms = np.stack([np.sqrt(np.sum(np.asarray(g, np.float64) ** 2, axis=(0, 1))) for g in gate_up_blocks(model)])
+    norms = norms.astype(np.float32)
     norms.flags.writeable = False
     return ColumnNorms(calibration.model_fingerprint(model), norms, blocks)
 

@@ -41,16 +41,13 @@ from typing import ClassVar, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from ... import distributed
 from ... import calibration
-from ...convert.fused import dequantize_tree
 from ...loaded import unrolled
 from ...models.config import ModelConfig
-from ...models.moe import slot_array, table_row
+from ...models.moe import table_row
 from ..base import (gate_activation, 
-    DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, take_channels, take_gate_up,
+    DensePlan, MethodError, Plan, activations, dot, down_proj, gate_up_blocks, kept_channels, prefill_importance, take_channels, take_gate_up,
 )
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, check_choice, copy_channels_or_empty
@@ -122,13 +119,7 @@ def lowrank_factors(model, rank: int, cache: bool = True, cache_dir: str | Path 
     blocks = 0 if cfg.moe is None else cfg.moe.slots(cfg.num_hidden_layers)
 
     def compute() -> dict[str, np.ndarray]:
-        pure = dequantize_tree(distributed.to_host(nnx.to_pure_dict(model.params)))  # all hosts' blocks
-        layers = {int(i): layer for i, layer in pure["layers"].items()}
-        if blocks:  # one weight block per (layer, slot); slots without a block are zeros
-            gate_ups = [g for l in range(cfg.num_hidden_layers) for g in slot_array(cfg, l, layers[l]["mlp"], "gate_up")]
-        else:
-            gate_ups = [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
-        factors = factors_from_weights(gate_ups, rank, model_key)
+        factors = factors_from_weights(gate_up_blocks(model), rank, model_key)  # all hosts' blocks
         return {"inputs": factors.inputs, "outputs": factors.outputs}
 
     key = {"format": calibration.CACHE_FORMAT, "model": model_key, "statistic": {"name": "lowrank_svd", "version": SVD_VERSION, "rank": rank}}
