@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -272,8 +273,6 @@ class CharTokenizer:
 @pytest.fixture(scope="session")
 def char_model(tiny_checkpoints):
     """The tiny llama-gqa model with `CharTokenizer`, for tests that tokenise text."""
-    import dataclasses
-
     import popjax
 
     directory, _ = tiny_checkpoints("llama-gqa")
@@ -290,8 +289,6 @@ def short_default_model_dir(tmp_path_factory) -> Path:
     of plumbing (the eval and bench commands, the notebooks) where 30 layers prove nothing more
     than two and compile ~10x longer; the full model's numbers are test_default_model.py's and
     test_bf16.py's. Made once per run: the xdist workers share it through the popjax cache's lock."""
-    import dataclasses
-
     from popjax.cache import get_or_make
     from popjax.convert import convert_gguf, default_gguf_path
     from popjax.convert.readers import gguf_tokenizer
