@@ -20,7 +20,7 @@ from flax import nnx
 
 from popjax import engine
 from popjax.calibration import Corpus
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.methods import (GLASS, GRIFFIN, WINA, GLASSPlan, LaRoSa, LaRoSaPlan, MethodError, PrincipalTEAL, PrincipalTEALPlan,
                             WINAPlan, kept_channels, make_method)
 from popjax.methods.glass import GlobalPrior
@@ -376,8 +376,10 @@ def test_principal_teal_on_the_tiny_model(tiny_model):
     k_x, k_h = method.sizes(cfg)
     s = 1.0 - kept_channels(cfg, 0.3) / f
     reads = d * 2 + 2 * f * k_x + d * k_h  # never more than TEAL's or WINA's at this ratio, within one down row
-    assert k_x == round(d * (1 - s)) and 0 <= round(3 * d * f * (1 - s)) - reads < d + 2 * f
-    assert reads <= 2 * f * k_x + d * round(f * (1 - s))
+    assert k_x == round(d * (1 - 0.9 * s)) and 0 <= round(3 * d * f * (1 - s)) - reads < d
+    assert reads <= 2 * f * round(d * (1 - s)) + d * round(f * (1 - s))
+    teal_x = PrincipalTEAL(0.3, rank=2, alpha=1.0).sizes(cfg)  # alpha 1: TEAL's input density
+    assert teal_x[0] == round(d * (1 - s)) and teal_x[1] > k_h  # a sparser input leaves more down entries
     assert method.fit.densities == ((k_x - 2) / d, k_h / f) and np.all(method.fit.t_e > 0) and np.all(method.fit.t_h > 0)
     assert method.prepare(model) is method
     tokens, mask = pad_batch([[5, 17, 3, 9, 4], [8, 9, 10]], 0)
@@ -393,6 +395,10 @@ def test_principal_teal_on_the_tiny_model(tiny_model):
     assert np.all(np.isfinite(np.asarray(sparse)))
     with pytest.raises(MethodError, match="rank=0 is invalid"):
         PrincipalTEAL(0.3, rank=0)
+    with pytest.raises(MethodError, match="alpha=0 is outside"):
+        PrincipalTEAL(0.3, alpha=0)
+    with pytest.raises(MethodError, match="alpha=0.1 leaves no down-input budget"):
+        PrincipalTEAL(0.3, rank=2, alpha=0.1).sizes(cfg)
     with pytest.raises(MethodError, match=f"rank=64 must be below the {k_x} input columns"):
         PrincipalTEAL(0.3, rank=64).sizes(cfg)
     with pytest.raises(MethodError, match="not fitted"):

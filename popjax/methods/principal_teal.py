@@ -20,9 +20,11 @@ few outlier features); the remainder is close to isotropic, where a rotation gai
 
 A kernel reads P (d·r), the principal part's gate/up columns W P (2·f·r, folded once), the kept
 residual columns of gate/up and the kept down columns. The budget is TEAL's reads at sparsity
-s = 1 − n_keep/f, the basis included: k_x = round(d(1 − s)) input columns of which r are the
+s = 1 − n_keep/f, the basis included: k_x = round(d(1 − α·s)) input columns of which r are the
 principal ones (residual density (k_x − r)/d), and the down input the most entries with
-d·r + 2·f·k_x + d·k_h ≤ 3·d·f·(1 − s) (and ≤ WINA's reads: never more bytes than either). The thresholds are the quantiles of |e| and |H| at those
+d·r + 2·f·k_x + d·k_h ≤ 3·d·f·(1 − s) (and ≤ WINA's reads: never more bytes than either).
+α = 0.9 (the input a little denser than TEAL's, the down input a little sparser) and r = 16
+were chosen on the development play (Hamlet) at 20% and 40%. The thresholds are the quantiles of |e| and |H| at those
 densities on the calibration corpus (the one calibration pipeline and cache), so — as TEAL's —
 they meet the density on average, not exactly per token; the decode aux reports the actual
 densities. The prompt runs dense. ``aggregate`` as TEAL's ("per_token" default, "max", "mean").
@@ -125,39 +127,51 @@ class PrincipalTEALPlan(DensePrefillPlan):
 
 @dataclasses.dataclass(frozen=True)
 class PrincipalTEAL(SparsityBudget):
-    """``PrincipalTEAL(ratio=0.2, rank=16, aggregate="per_token")`` or ``PrincipalTEAL(ffn_sparsity=0.5)``;
-    ``calibrate(model, corpus)`` or ``prepare(model)`` fits the bases and thresholds.
+    """``PrincipalTEAL(ratio=0.2, rank=16, alpha=0.9, aggregate="per_token")`` or
+    ``PrincipalTEAL(ffn_sparsity=0.5)``; ``calibrate(model, corpus)`` or ``prepare(model)`` fits
+    the bases and thresholds.
 
     Args:
       ratio / ffn_sparsity: TEAL's budget: the FFN's weight reads at sparsity s, the basis included.
-      rank: principal directions kept whole per token, 1 ≤ rank < round(d(1 − s)).
+      rank: principal directions kept whole per token, 1 ≤ rank < round(d(1 − alpha·s)).
+      alpha: the input's share of the sparsity (input columns read k_x = round(d(1 − alpha·s)),
+        as LaRoSa's ``alpha``), in (0, 2]; the down input takes what the budget leaves.
       aggregate: "per_token" (each row its own mask), "max" or "mean" (one mask per batch).
     """
 
     name: ClassVar[str] = "principal-teal"
     calibrates: ClassVar[bool] = True
     rank: int = dataclasses.field(default=16, kw_only=True)
+    alpha: float = dataclasses.field(default=0.9, kw_only=True)
     fit: PrincipalFit | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise MethodError(f"PrincipalTEAL: rank={self.rank!r} is invalid; give an integer ≥ 1 (below the kept input columns)")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 2.0:
+            raise MethodError(f"PrincipalTEAL: alpha={self.alpha!r} is outside (0, 2]: it is the input's share of the sparsity")
         if self.fit is not None and not isinstance(self.fit, PrincipalFit):
             raise MethodError(f"PrincipalTEAL: fit={self.fit!r} is not a PrincipalFit (use calibrate or prepare)")
 
     def sizes(self, cfg: ModelConfig) -> tuple[int, int]:
-        """(k_x, k_h): input columns read (``rank`` principal, the rest residual) and down-input
-        entries kept at the target: the most with d·r + 2·f·k_x + d·k_h at or below both TEAL's
-        reads, round(3·d·f·(1 − s)), and WINA's, 2·f·k_x + d·round(f(1 − s)), so that at equal
-        ratio it never reads more than either (rounding included)."""
+        """(k_x, k_h): input columns read, k_x = round(d(1 − alpha·s)) (``rank`` principal, the
+        rest residual), and down-input entries kept at the target: the most with
+        d·r + 2·f·k_x + d·k_h at or below both TEAL's reads, round(3·d·f·(1 − s)), and WINA's,
+        2·f·round(d(1 − s)) + d·round(f(1 − s)), so that at equal ratio it never reads more than
+        either (rounding included)."""
         d, f, s = cfg.hidden_size, cfg.intermediate_size, self.sparsity(cfg)
-        k_x = round(d * (1.0 - s))
+        k_x = min(round(d * (1.0 - self.alpha * s)), d)
         if self.rank >= k_x:
-            raise MethodError(f"PrincipalTEAL: rank={self.rank} must be below the {k_x} input columns this budget reads (d = {d}, sparsity {s:.3f})")
+            raise MethodError(f"PrincipalTEAL: rank={self.rank} must be below the {k_x} input columns this budget reads (d = {d}, "
+                              f"sparsity {s:.3f}, alpha {self.alpha})")
         teal = round(3 * d * f * (1.0 - s))
-        k_h = min((teal - 2 * f * k_x - d * self.rank) // d, round(f * (1.0 - s)) - self.rank)
-        return k_x, min(max(k_h, 1), f)
+        wina = 2 * f * round(d * (1.0 - s)) + d * round(f * (1.0 - s))
+        k_h = (min(teal, wina) - 2 * f * k_x - d * self.rank) // d
+        if k_h < 1:
+            raise MethodError(f"PrincipalTEAL: alpha={self.alpha} leaves no down-input budget (k_x = {k_x} of {d} input "
+                              f"columns at sparsity {s:.3f}): lower alpha")
+        return k_x, min(k_h, f)
 
     def densities(self, cfg: ModelConfig) -> tuple[float, float]:
         """The target densities of the residual and of the down input."""
