@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..models import moe as moe_shapes
 from ..models.config import ModelConfig
+from ..models.vision_config import vision_tensor_shapes
 from . import names, readers
 from .readers import CheckpointError
 
@@ -55,6 +56,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "attn.q_norm.weight": (cfg.head_dim,), p + "attn.k_norm.weight": (cfg.head_dim,)})
         if cfg.sandwich_norms:
             shapes.update({p + "attn_post_norm.weight": (d,), p + "mlp_post_norm.weight": (d,)})
+    if cfg.vision is not None:  # a VLM's tower, under its HF names (models/vision_config.py)
+        shapes.update(vision_tensor_shapes(cfg.vision, "vision."))
     return shapes
 
 

@@ -16,6 +16,10 @@ from typing import Any, Mapping
 from . import hf_fields as hf
 from .hf_fields import FFN_ACTIVATIONS, LAYER_TYPES, ConfigError, RopeScaling  # noqa: F401 (re-exported)
 from .moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf  # noqa: F401 (re-exported)
+from .vision_config import VisionConfig, vision_from_dict
+
+# vision-language models: a Qwen2 decoder (their `text_config`) behind a vision tower (models/vision.py)
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 # HF `architectures` / `model_type` values we accept, and the switches they imply.
 _ARCH_FLAGS = {
@@ -29,6 +33,9 @@ _ARCH_FLAGS = {
     # Gemma 3 (text): q/k norms, pre- and post-norms around attention and FFN ("sandwich"), GeGLU,
     # embeddings scaled by √d, sliding-window and global layers (`layer_types`)
     "gemma3_text": dict(qkv_bias=False, qk_norm=True, sandwich_norms=True, embed_scale=True),
+    # Qwen2-VL / Qwen2.5-VL: the language model is Qwen2's, with M-RoPE (models/mrope.py)
+    "qwen2_vl": dict(qkv_bias=True, qk_norm=False),
+    "qwen2_5_vl": dict(qkv_bias=True, qk_norm=False),
 }
 
 
@@ -88,6 +95,18 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # logits = c·tanh(logits / c) when set (Gemma's final_logit_softcapping).
     final_logit_softcapping: float | None = None
+    # A vision-language model (VL_MODEL_TYPES): its vision tower, M-RoPE's split of the h/2 rotary
+    # frequencies over the (temporal, height, width) position axes, and the token ids that mark
+    # an image's placeholders in a prompt (one per merged patch) and its start.
+    vision: VisionConfig | None = None
+    mrope_section: tuple[int, ...] | None = None
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+
+    @property
+    def is_vision_language(self) -> bool:
+        """Whether prompts may hold images (the model has a vision tower)."""
+        return self.vision is not None
 
     @property
     def q_dim(self) -> int:
@@ -168,6 +187,10 @@ class ModelConfig:
             out["layer_types"] = list(self.layer_types)
         if self.rope_local_theta is not None:
             out["rope_local_base_freq"] = out.pop("rope_local_theta")
+        if self.vision is not None:
+            out["vision_config"] = self.vision.to_dict()
+            out["mrope_section"] = list(self.mrope_section)
+        out.pop("vision", None)
         del out["moe"]  # MoE configs write HF's own fields instead (dense configs are unchanged)
         if self.moe is not None:
             out.update(self.moe.hf_fields(self.model_type, self.num_hidden_layers))
@@ -176,6 +199,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
         model_type = str(raw.get("model_type", "")).lower()
+        vl = {}
+        if model_type in VL_MODEL_TYPES:
+            raw, vl = vision_language_fields(raw, model_type)
         if model_type not in _ARCH_FLAGS:
             raise ConfigError(
                 f"unsupported architecture model_type={model_type!r} "
@@ -228,6 +254,7 @@ class ModelConfig:
                 rope_local_theta=hf.local_rope_theta(raw),
                 query_pre_attn_scalar=hf.float_or_none(raw.get("query_pre_attn_scalar")),
                 final_logit_softcapping=hf.float_or_none(raw.get("final_logit_softcapping")),
+                **vl,
                 **flags,
             )
         except KeyError as err:
@@ -251,6 +278,32 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
 
-# fields added with Gemma 3, written by `to_hf_dict` only when they differ from their defaults
+def vision_language_fields(raw: Mapping[str, Any], model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Qwen2-VL / Qwen2.5-VL ``config.json`` (HF's, the language model's fields under
+    ``text_config``; or popjax's own, flat) -> (the decoder's fields, flat, for `from_hf_dict`;
+    the `ModelConfig` fields of its vision side)."""
+    text = {**raw, **(raw.get("text_config") or {}), "model_type": model_type}
+    if "tie_word_embeddings" in raw:  # HF keeps it at the top level of a VL config
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(text.get(key), Mapping) and text[key].get("rope_type", text[key].get("type")) == "mrope":
+            text[key] = {**text[key], "rope_type": "default"}  # transformers 4.x's name for M-RoPE's plain frequencies
+    block = hf.rope_block(text)
+    section = text.get("mrope_section") or block.get("mrope_section")
+    if section is None:
+        raise ConfigError(f"a {model_type} config needs mrope_section (in rope_parameters/rope_scaling): M-RoPE's split of "
+                          "the rotary frequencies over its three position axes")
+    if "vision_config" not in raw:
+        raise ConfigError(f"a {model_type} config needs vision_config (the vision tower's fields)")
+    for key in ("image_token_id", "vision_start_token_id"):
+        if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
+            raise ConfigError(f"a {model_type} config needs an integer {key}, got {raw.get(key)!r}")
+    fields = dict(vision=vision_from_dict(raw["vision_config"], model_type), mrope_section=hf.as_tuple(section),
+                  image_token_id=raw["image_token_id"], vision_start_token_id=raw["vision_start_token_id"])
+    return text, fields
+
+
+# fields added with Gemma 3 and the VL models, written by `to_hf_dict` only when they differ from their defaults
 _OMITTED_AT_DEFAULT = ("hidden_act", "layer_types", "sliding_window", "rope_local_theta", "sandwich_norms", "embed_scale",
+                       "vision", "mrope_section", "image_token_id", "vision_start_token_id",
                        "query_pre_attn_scalar", "final_logit_softcapping")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .attention import ring_from_prompt, ring_slots
-from .layers import Attention, KVCache, MLPWeights, RMSNorm, TokenEmbeddings
+from .layers import Attention, KVCache, MLPWeights, PlacedEmbeddings, RMSNorm, TokenEmbeddings
 from .moe import MoEWeights, moe_mlp
 from .quant import dot
 from .rope import check_rope_type, layer_rope
@@ -147,6 +147,7 @@ class Transformer(nnx.Module, TokenEmbeddings):
         schedule: LayerSchedule | None = None,
         kv_weights: Mapping[int, tuple[jax.Array, jax.Array | None]] | None = None,
         prefix_end: jax.Array | int = 0,
+        placed: PlacedEmbeddings | None = None,
     ) -> tuple[jax.Array, tuple[KVCache, ...], tuple[Any, ...], list[Any]]:
         """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states (tuples
         over layers), aux (a list over layers). ``mlp_states`` None: no layer has a state yet.
@@ -162,8 +163,10 @@ class Transformer(nnx.Module, TokenEmbeddings):
         its ``prefix_masked`` layers ignore cache slots before ``prefix_end``. ``kv_weights``
         (traced, optional) maps a "kv" layer to the projection it uses instead of its own k/v
         rows: (w [n_kv, 2, h, d], bias [n_kv, 2, h] or None), in qkv's grouped layout.
+        ``placed`` (optional) puts embeddings at some token slots (a VLM's image features);
+        ``positions`` may then be M-RoPE's [3, B, T] (models/mrope.py).
         """
-        x = self.embed_tokens(tokens)
+        x = self.embed_inputs(tokens, placed)
         rope = layer_rope(self.cfg, positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):

@@ -64,6 +64,15 @@ class LinearWeights:
         return value if scale is None else Int8Weight(value, scale[...], self.compute_dtype, self.int8_activations)
 
 
+class PlacedEmbeddings(NamedTuple):
+    """Embeddings that replace some prompt tokens' own (a VLM's image features at its image
+    placeholders): ``features`` [N, d] in the compute dtype, ``slots`` [B, T] int32, the row of
+    ``features`` each token takes, −1 for a token that keeps its embedding."""
+
+    features: jax.Array
+    slots: jax.Array
+
+
 class TokenEmbeddings(LinearWeights):
     """The token embedding ``embed`` [V, d] and the LM head (``embed`` when tied, else
     ``lm_head`` [V, d]) in the model's weight format: an int8 model stores them as int8 rows
@@ -86,6 +95,15 @@ class TokenEmbeddings(LinearWeights):
         if self.cfg.embed_scale:
             rows = rows * jnp.asarray(self.cfg.hidden_size**0.5, rows.dtype)
         return rows
+
+    def embed_inputs(self, tokens: jax.Array, placed: PlacedEmbeddings | None = None) -> jax.Array:
+        """tokens [B, T] -> x [B, T, d]: `embed_tokens`, with ``placed`` features (if any) at
+        their slots."""
+        x = self.embed_tokens(tokens)
+        if placed is None:
+            return x
+        rows = placed.features.astype(x.dtype)[jnp.maximum(placed.slots, 0)]
+        return jnp.where((placed.slots >= 0)[..., None], rows, x)
 
     def lm_head_weight(self) -> jax.Array | Int8Weight:
         return self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head")

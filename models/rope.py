@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ConfigError, ModelConfig
+from .mrope import mrope_cos_sin
 
 InvFreqFn = Callable[[ModelConfig], np.ndarray]
 _ROPE_REGISTRY: dict[str, InvFreqFn] = {}
@@ -101,7 +102,12 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, layer_type: str = "full
 
 
 def layer_rope(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """cos, sin [B, T, h] for each attention kind the model has ({layer type: (cos, sin)})."""
+    """positions [B, T] (or M-RoPE's [3, B, T] in a VLM's prefill) -> cos, sin [B, T, h] for each
+    attention kind the model has ({layer type: (cos, sin)})."""
+    if positions.ndim == 3:
+        if cfg.mrope_section is None:
+            raise ConfigError(f"positions of shape {positions.shape} are M-RoPE's, and {cfg.model_type} has no mrope_section")
+        return {"full_attention": mrope_cos_sin(inverse_frequencies(cfg), positions, cfg.mrope_section)}
     kinds = sorted({cfg.layer_type(i) for i in range(cfg.num_hidden_layers)})
     return {kind: rope_cos_sin(cfg, positions, kind) for kind in kinds}
 

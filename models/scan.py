@@ -44,7 +44,7 @@ from flax import nnx
 from .attention import NO_WINDOW, ring_from_prompt, ring_slots
 from .config import ModelConfig
 from .decoder import DecoderLayer, MLPFn, Transformer
-from .layers import KVCache, RMSNorm, TokenEmbeddings
+from .layers import KVCache, PlacedEmbeddings, RMSNorm, TokenEmbeddings
 from .rope import check_rope_type, layer_rope
 from .stacked_attention import KindCaches, stacked_cache_attention, write_slots
 
@@ -154,6 +154,7 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
         schedule: Any = None,
         kv_weights: Any = None,
         prefix_end: jax.Array | int = 0,
+        placed: PlacedEmbeddings | None = None,
     ) -> tuple[jax.Array, KVCache, Any, Any]:
         """tokens, positions [B, T]; key_valid [B, S] -> (logits [B, T or 1, V], caches, states, aux).
 
@@ -168,7 +169,7 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
         if isinstance(mlp_states, (list, tuple)) and all(s is None for s in mlp_states):
             mlp_states = None  # the unrolled model's "no state for any layer"
         cfg = self.cfg
-        x = self.embed_tokens(tokens)
+        x = self.embed_inputs(tokens, placed)
         rope = layer_rope(cfg, positions)
         kinds = _kinds(cfg)
         graphdef, params = nnx.split(self.layer_stack)

@@ -35,7 +35,7 @@ from . import sharding
 from .ffn import Plan
 from .models.attention import cache_slots
 from .models.decoder import LayerSchedule
-from .models.layers import KVCache
+from .models.layers import KVCache, PlacedEmbeddings
 from .models.stacked_attention import KindCaches
 from .sampling import SamplingParams, sample
 
@@ -126,6 +126,18 @@ class DecodeState(NamedTuple):
     method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 
 
+class ImagePrompt(NamedTuple):
+    """What images add to a VLM's prefill (built on the host by ``generation``'s image path, the
+    features by the vision tower): ``placed`` the image features and the placeholder slot each
+    takes ([N, d], [B, T]); ``positions`` [3, B, T] M-RoPE's positions (``models.mrope``);
+    ``next_position`` [B] the rope position of each row's first new token (after an image a
+    row's positions run behind its length; decode continues on all three axes from here)."""
+
+    placed: PlacedEmbeddings
+    positions: jax.Array
+    next_position: jax.Array
+
+
 class Sampler(NamedTuple):
     """The generation carry: the decode state, the last sampled token (fed next) and the key."""
 
@@ -134,9 +146,10 @@ class Sampler(NamedTuple):
     key: jax.Array
 
 
-def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None, data=None):
+def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, gates=None, data=None, images=None):
     """tokens, mask [B, T] -> (logits [B, V] for the next token or [B, T, V], DecodeState with
-    S = cache_slots(T, capacity), per-layer aux).
+    S = cache_slots(T, capacity), per-layer aux). ``images`` (an `ImagePrompt`, optional) places
+    a VLM's image features and gives the prompt's M-RoPE positions.
 
     A plan with a ``boundary`` prefills all but each row's last prompt token (the last column,
     since rows are left-padded) and runs that token through the full model as a decode-path
@@ -149,24 +162,29 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
     boundary = plan.boundary and not all_logits
     prefill_mask = mask.at[:, -1].set(0) if boundary else mask
     valid = prefill_mask.astype(bool)
+    image_tokens = None if images is None else images.placed.slots >= 0  # [B, T]: what a plan's statistics may tell apart
+    # a boundary token is the last prompt token: text, so its three M-RoPE axes are equal
+    positions = positions_from_mask(prefill_mask) if images is None else images.positions
+    next_position = jnp.sum(mask, axis=1).astype(jnp.int32) if images is None else images.next_position.astype(jnp.int32)
     logits, caches, states, aux = model(
         tokens,
-        positions_from_mask(prefill_mask),
+        positions,
         valid,
         # ``routed`` [B, T] (a MoE expert's tokens, models/moe.py) narrows ``valid``; dense FFNs omit it
-        lambda w, _state, x, routed=None: plan.prefill(with_data(w, data), x, valid if routed is None else valid & routed),
+        lambda w, _state, x, routed=None: plan.prefill(with_data(w, data, image_tokens), x, valid if routed is None else valid & routed),
         None,  # no method state yet
         last_only=not all_logits,
         gates=gates,
         schedule=plan.layer_schedule(L),
         # only a plan that reads its data gets it: given to another plan, data changes nothing
         kv_weights=data.get("kv_weights") if data is not None and plan.requires_data else None,
+        placed=None if images is None else images.placed,
     )
     S = cache_slots(T, capacity)
     # the model lays out its decode caches (a sliding-window layer keeps a ring of its window)
     caches = model.init_caches(caches, T, S)
     state = DecodeState(
-        position=jnp.sum(mask, axis=1).astype(jnp.int32) - int(boundary),
+        position=next_position - int(boundary),
         index=jnp.int32(T - int(boundary)),
         step=jnp.int32(0),
         key_valid=jnp.concatenate([mask.astype(bool), jnp.ones((B, S - T), bool)], axis=1),
@@ -193,10 +211,12 @@ def check_data(plan: Plan, data) -> None:
                          "data=method.data(model) of the prepared method (popjax.generate and forward do)")
 
 
-def with_data(w: dict, data) -> dict:
+def with_data(w: dict, data, image_tokens=None) -> dict:
     """A layer's FFN weights plus the method's calibrated data (``w["data"]``, [L, ...] leaves the
-    plan indexes with ``w["layer"]``); unchanged for a method without data."""
-    return w if data is None else {**w, "data": data}
+    plan indexes with ``w["layer"]``) and, in a prefill with images, the prompt's image-token
+    mask (``w["image_tokens"]`` [B, T]); unchanged for a method without data and a text prompt."""
+    w = w if data is None else {**w, "data": data}
+    return w if image_tokens is None else {**w, "image_tokens": image_tokens}
 
 
 def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = False, data=None):
@@ -251,23 +271,23 @@ def _generation_step(model, plan, carry: Sampler, sampling, stop_ids, pad_id, da
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "all_logits", "with_aux"))
-def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None, data=None):
+def prefill(graphdef, params, tokens, mask, plan: Plan, all_logits=False, with_aux=False, gates=None, data=None, images=None):
     """tokens, mask [B, T] -> (logits [B, V] at the last slot, or [B, T, V] with ``all_logits``;
     the prompt caches (L × KVCache [B, S ≥ T, n_kv, h], or a scanned model's stacked KVCache);
     method states (L, or stacked); aux stacked over layers). ``gates`` [L, B, T] are optional
     virtual layer gates (docs/methods.md §9; differentiable); ``data`` the method's calibrated
-    data (`Method.data`)."""
+    data (`Method.data`); ``images`` a VLM prompt's `ImagePrompt`."""
     model = nnx.merge(graphdef, params)
-    logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates, data)
+    logits, state, aux = _prefill(model, plan, tokens, mask, 0, all_logits, gates, data, images)
     return logits, state.caches, state.method_states, stack_aux(aux) if with_aux else {}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "capacity", "with_aux"))
 def start(graphdef, params, plan: Plan, tokens, mask, key, sampling: SamplingParams, stop_ids, pad_id, capacity: int, with_aux=False,
-          data=None):
+          data=None, images=None):
     """Prefill + the first sampled token -> (Sampler, prefill aux stacked over layers)."""
     model = nnx.merge(graphdef, params)
-    logits, state, aux = _prefill(model, plan, tokens, mask, capacity, data=data)
+    logits, state, aux = _prefill(model, plan, tokens, mask, capacity, data=data, images=images)
     key, sub = jax.random.split(key)
     token, state = _choose(state, logits, sub, sampling, stop_ids, pad_id)
     return Sampler(state, token, key), stack_aux(aux) if with_aux else {}
@@ -318,14 +338,15 @@ def stream_step(graphdef, params, plan: Plan, carry: Sampler, sampling: Sampling
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "with_logprobs", "record"))
-def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False, record: tuple[str, ...] = (), data=None):
+def teacher_force(graphdef, params, plan: Plan, tokens, mask, targets, with_logprobs=False, record: tuple[str, ...] = (), data=None,
+                  images=None):
     """Prefill a left-padded prompt, then feed ``targets`` [B, N] one at a time through the
     decode path -> (nll [B, N] of each target given everything before it, log-probabilities
     [B, N, V] if asked, else [B, N, 0], and the decode aux entries named in ``record``, each
     [N, L, ...] (the step that fed target i is entry i))."""
     model = nnx.merge(graphdef, params)
     B, N = targets.shape
-    logits, state, _ = _prefill(model, plan, tokens, mask, N, data=data)
+    logits, state, _ = _prefill(model, plan, tokens, mask, N, data=data, images=images)
 
     def step(carry, target):
         logits, state = carry

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import distributed, engine, sharding
+from .image_prompts import expand_placeholders, image_prompt, split_images
 from .loaded import LoadedModel
 from .methods import Method, prepared
-from .sampling import SamplingParams
+from .requests import GenerationRequest
 
-MAX_STOP_IDS = 8  # stop ids are padded to this static size so their number never recompiles
 
 Prompt = str | Sequence[dict[str, str]]  # a text or a chat conversation
 
@@ -60,137 +60,6 @@ def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool | None)
     return out
 
 
-def pad_token_id(model: LoadedModel) -> int:
-    """The id fed for padding: the tokenizer's pad token, else its EOS, else 0 (id-only models).
-    Padded positions are masked everywhere, so the choice never changes a result."""
-    tok = model.tokenizer
-    for candidate in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-def pad_batch(prompts: list[list[int]], pad_id: int, length: int | None = None, min_rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads prompts to ``length`` (default: their prompt bucket) and the batch to its bucket
-    (at least ``min_rows``: a mesh's data axis) with dead rows (all padding, mask 0)
-    -> tokens, mask [B_bucket, T_bucket] int32."""
-    if length is None:
-        length = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-    rows = engine.bucket_for(max(len(prompts), min_rows), engine.BATCH_BUCKETS, "a batch size")
-    tokens = np.full((rows, length), pad_id, np.int32)
-    mask = np.zeros((rows, length), np.int32)
-    for row, ids in enumerate(prompts):
-        tokens[row, length - len(ids) :] = ids
-        mask[row, length - len(ids) :] = 1
-    return tokens, mask
-
-
-def _stop_ids(model: LoadedModel, extra: Sequence[int] | None, ignore_eos: bool = False) -> np.ndarray:
-    ids = set() if ignore_eos else set(model.config.eos_token_ids)
-    tok = model.tokenizer
-    if tok is not None and tok.eos_token_id is not None and not ignore_eos:
-        ids.add(int(tok.eos_token_id))
-    ids.update(int(i) for i in (extra or ()))
-    if len(ids) > MAX_STOP_IDS:
-        raise ValueError(f"{len(ids)} stop ids given; at most {MAX_STOP_IDS} are supported")
-    return np.array(sorted(ids) + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
-
-
-def check_prompt_lengths(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
-    context = model.config.max_position_embeddings
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise ValueError(f"prompt {i} is empty (0 tokens)")
-        if len(ids) + max_new_tokens > context:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
-                f"the model's context of {context} tokens"
-            )
-        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside [0, {model.config.vocab_size})")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """A validated generation request, padded to its buckets (shared by generate, stream and
-    the benchmark): ``req.start(model)`` runs prefill and samples the first token."""
-
-    plan: Any
-    data: Any  # the prepared method's calibrated data (`Method.data`), traced into the programs
-    tokens: jax.Array  # [B_bucket, T_bucket]
-    mask: jax.Array
-    batch: int  # real rows
-    capacity: int
-    sampling: SamplingParams
-    stops: np.ndarray  # [MAX_STOP_IDS], -1 = unused
-    pad_id: int
-    key: jax.Array
-
-    @classmethod
-    def create(cls, model, prompts, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, method=None,
-               stop_ids=None, ignore_eos=False, capacity: int | None = None) -> "GenerationRequest":
-        """Validates and pads; ``capacity`` (default: the bucket of ``max_new_tokens``) reserves
-        cache slots for that many new tokens."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; use an integer ≥ 1")
-        sampling = SamplingParams.create(temperature, top_k, top_p)
-        prompts = [list(p) for p in prompts]
-        if not prompts:
-            raise ValueError("no prompts given")
-        check_prompt_lengths(model, prompts, max_new_tokens)
-        method = prepared(method, model)
-        plan, data = method.bind(model.config), method.data(model)
-        pad_id = pad_token_id(model)
-        mesh = getattr(model, "mesh", None)
-        data_rows = 1 if mesh is None else dict(mesh.shape).get("data", 1)
-        tokens, mask = pad_batch(prompts, pad_id, min_rows=data_rows)  # dead rows change no result
-        if mesh is not None:
-            sharding.check_batch(tokens.shape[0], mesh)
-        capacity = engine.bucket_for(max(max_new_tokens, capacity or 0), engine.CAPACITY_BUCKETS, "max_new_tokens")
-        key = jax.random.key(seed) if isinstance(seed, int) else seed
-        stops = _stop_ids(model, stop_ids, ignore_eos)
-        return cls(plan, data, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key)
-
-    def start(self, model, with_aux: bool = False):
-        with sharding.use_mesh(model):
-            return self._start(model, with_aux)
-
-    def _start(self, model, with_aux: bool):
-        return engine.start(
-            model.graphdef, model.params, self.plan, self.tokens, self.mask, self.key, self.sampling,
-            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, with_aux=with_aux, data=self.data,
-        )
-
-    def decode(self, model, carry, max_new_tokens: int, trace: bool = False):
-        """The compiled decode loop from ``carry`` (consumed) -> (tokens [B, capacity], steps,
-        trace records, final carry)."""
-        with sharding.use_mesh(model):
-            return self._decode(model, carry, max_new_tokens, trace)
-
-    def _decode(self, model, carry, max_new_tokens: int, trace: bool):
-        return engine.decode_loop(
-            model.graphdef, model.params, self.plan, carry, jnp.int32(max_new_tokens), self.sampling,
-            jnp.asarray(self.stops), jnp.int32(self.pad_id), capacity=self.capacity, trace=trace, data=self.data,
-        )
-
-    def step(self, model, carry):
-        """One generation step alone (streaming); ``carry`` is consumed -> (carry, token [B])."""
-        with sharding.use_mesh(model):
-            return engine.stream_step(
-                model.graphdef, model.params, self.plan, carry, self.sampling, jnp.asarray(self.stops), jnp.int32(self.pad_id),
-                data=self.data,
-            )
-
-    def until_stop(self, row: list[int]) -> list[int]:
-        """A row of generated ids up to (excluding) its first stop id."""
-        stop_set = {int(s) for s in self.stops if s >= 0}
-        for i, t in enumerate(row):
-            if t in stop_set:
-                return row[:i]
-        return row
-
-
 def generate_ids(
     model: LoadedModel,
     prompts: Sequence[Sequence[int]],
@@ -203,13 +72,16 @@ def generate_ids(
     stop_ids: Sequence[int] | None = None,
     return_trace: bool = False,
     ignore_eos: bool = False,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> tuple[list[list[int]], dict[str, Any] | None]:
     """Token-id prompts -> generated ids per prompt (stop token excluded), and the trace.
 
     ``ignore_eos`` generates exactly ``max_new_tokens`` unless a ``stop_ids`` entry appears
     (benchmarks, teacher-free evaluation). Batches pad to ``engine.BATCH_BUCKETS`` with dead
-    rows that no method statistic sees; traces keep those rows' entries (per-sequence mode)."""
-    req = GenerationRequest.create(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    rows that no method statistic sees; traces keep those rows' entries (per-sequence mode).
+    ``images``: a VLM's images per prompt, one per image placeholder of its ids."""
+    req = GenerationRequest.create(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos,
+                                   images=images)
     carry, prefill_aux = req.start(model, with_aux=return_trace)
     partition = None
     if return_trace:  # read before the decode loop consumes (donates) the carry
@@ -249,10 +121,13 @@ def stream_ids(
     method: Method | str | None = None,
     stop_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    images: Sequence[Any] | None = None,
 ) -> Iterator[int]:
-    """Yields the generated ids of one token-id prompt as they are produced (stop id excluded):
-    the decode loop's own step jitted alone, so the tokens equal ``generate_ids``'."""
-    req = GenerationRequest.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos)
+    """Yields the generated ids of one token-id prompt (with ``images``, a VLM's, one per image
+    placeholder) as they are produced (stop id excluded): the decode loop's own step jitted
+    alone, so the tokens equal ``generate_ids``'."""
+    req = GenerationRequest.create(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, ignore_eos,
+                                   images=None if images is None else [list(images)])
     carry, _ = req.start(model)
     pending = distributed.to_host(carry.token)  # read before the first step consumes the carry
     for produced in range(1, max_new_tokens + 1):
@@ -281,10 +156,11 @@ def stream(
     ``generate``): ``for piece in popjax.stream(model, "Hi"): print(piece.text, end="")``."""
     if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
         raise ValueError(f"stream() takes one prompt (a string or a chat conversation); got {type(prompt).__name__}")
+    prompt, images = split_images(prompt)
     prompt_ids = encode_prompts(model, [prompt], chat)[0]
     ids: list[int] = []
     shown = ""
-    for token in stream_ids(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids):
+    for token in stream_ids(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, images=images):
         ids.append(token)
         text = model.tokenizer.decode(ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
@@ -312,7 +188,10 @@ def generate(
     Args:
       model: from ``popjax.load``.
       prompt_or_prompts: a string, a chat conversation (list of {"role", "content"}), or a list
-        of either. Batches of different lengths are left-padded to a length bucket.
+        of either. Batches of different lengths are left-padded to a length bucket. On a
+        vision-language model a message's content may be a list of items, as transformers'
+        processors take them: {"type": "image", "image": PIL image | path | array} and
+        {"type": "text", "text": ...}; a batch may mix image and text-only prompts.
       max_new_tokens: tokens to generate at most (≥ 1). Traced: a new value within the same
         capacity bucket (64, 128, ...) does not recompile.
       temperature, top_k, top_p: 0 = greedy; top_k 0 and top_p 1 disable the filters.
@@ -329,9 +208,11 @@ def generate(
         and isinstance(prompt_or_prompts[0], dict)
     )
     prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
-    prompt_ids = encode_prompts(model, prompts, chat)
+    prompts, images = zip(*[split_images(p) for p in prompts])
+    prompt_ids = encode_prompts(model, list(prompts), chat)
     ids, trace = generate_ids(
-        model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, return_trace
+        model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, return_trace,
+        images=images if any(images) else None,
     )
     texts = [model.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
     return Generation(texts, ids, prompt_ids, trace)
@@ -342,11 +223,14 @@ def forward(
     input_ids: Any,
     attention_mask: Any = None,
     method: Method | str | None = None,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> jax.Array:
     """Logits [B, T, V] (fp32) of ``input_ids`` [B, T] (or [T]) under a method's prefill.
 
     The batch is left-padded internally to a length bucket so one compile serves many lengths;
-    ``attention_mask`` (1 = token, 0 = padding) may be left- or right-padded."""
+    ``attention_mask`` (1 = token, 0 = padding) may be left- or right-padded. ``images`` (a
+    VLM): per row, its images; ``input_ids`` hold each image's placeholders expanded (one per
+    merged patch, as transformers' processor writes them)."""
     ids = np.asarray(input_ids, dtype=np.int64)
     if ids.ndim == 1:
         ids = ids[None]
@@ -367,11 +251,21 @@ def forward(
         sharding.check_batch(rows, mesh)
     tokens = np.pad(ids, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
     full_mask = np.pad(mask, ((0, rows - ids.shape[0]), (pad, 0))).astype(np.int32)
+    placed = None
+    if images is not None:
+        valid_rows = [row[m.astype(bool)].tolist() for row, m in zip(ids, mask)]
+        expanded = expand_placeholders(model, valid_rows, images)
+        for i, (given, needed) in enumerate(zip(valid_rows, expanded.rows)):
+            if len(given) != len(needed):
+                raise ValueError(f"row {i} of input_ids holds {len(given)} tokens, {len(needed)} with its images' placeholders "
+                                 "expanded: forward() takes expanded placeholders (one per merged patch)")
+        placed = image_prompt(model, expanded.pixels, tokens, full_mask)
     method = prepared(method, model)
     plan = method.bind(model.config)
     with sharding.use_mesh(model):
         logits, _, _, _ = engine.prefill(
-            model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True, data=method.data(model)
+            model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(full_mask), plan, all_logits=True, data=method.data(model),
+            images=placed,
         )
     # on a mesh over several processes, replicated: np.asarray reads the same logits on every process
     return distributed.replicated(logits[: ids.shape[0], pad:])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import sharding
+from .images import ImageProcessorConfig
 from .models.config import ModelConfig
 from .models.decoder import abstract_model
 from .models.scan import scan_layers as stack_model_layers
@@ -31,6 +32,10 @@ class LoadedModel:
     source: str
     dtype: str
     mesh: Any = None  # a jax Mesh when the params are sharded over devices (popjax.sharding)
+    # a vision-language model's vision tower (models/vision.py params, replicated; it stays dense)
+    # and its image preprocessing (the checkpoint's preprocessor_config.json, else Qwen2-VL's defaults)
+    vision: Any = None
+    image_processor: ImageProcessorConfig | None = None
 
 
 def with_scanned_layers(model: LoadedModel) -> LoadedModel:

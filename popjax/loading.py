@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
 import re
 import tempfile
 from pathlib import Path
@@ -22,12 +24,14 @@ from .convert.default_model import DEFAULT_MODEL, default_gguf_path
 from .convert.fused import fuse_checkpoint
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
 from .convert.store import FORMAT_VERSION, is_converted, read_converted, source_key, write_converted, write_into
+from .images import ImageProcessorConfig
 from .loaded import LoadedModel, unrolled, with_scanned_layers
 from .models.config import ModelConfig
 from .models.decoder import Transformer, abstract_model
 from .models.quant import ACTIVATION_MODES, check_weights
 from .models.layers import MLPWeights
 from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
+from .models.vision_config import vision_params_from_hf
 from . import sharding
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,8 @@ def _tokenizer_saver(kind: str, path: Path):
                 log.warning("no tokenizer for %s (%s); generate() will need token ids", path, err)
                 return False
         tok.save_pretrained(str(target))
+        if kind != "gguf" and (path / "preprocessor_config.json").is_file():  # a VLM's image preprocessing
+            shutil.copy(path / "preprocessor_config.json", target / "preprocessor_config.json")
         return True
 
     return save
@@ -248,7 +254,8 @@ def load(
         converted = _convert(kind, path, dtype, weights or "float")
         tokenizer = _load_tokenizer_direct(kind, path)
         cfg = with_activations(converted.config, activations)
-        return build_model(cfg, converted.params, tokenizer, str(path), dtype, mesh, scan_layers)
+        images = image_processor_config(path if kind != "gguf" else path.parent)
+        return build_model(cfg, converted.params, tokenizer, str(path), dtype, mesh, scan_layers, images)
     else:
         directory = converted_once(kind, path, dtype, weights or "float")
     sharding_of = None
@@ -261,7 +268,8 @@ def load(
         from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
-    return place_model(with_activations(cfg, activations), params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers)
+    return place_model(with_activations(cfg, activations), params, tokenizer, str(source), meta.get("dtype", dtype), mesh, scan_layers,
+                       image_processor_config(directory / "tokenizer"))
 
 
 def with_activations(cfg: ModelConfig, activations: str | None) -> ModelConfig:
@@ -288,16 +296,16 @@ def _load_tokenizer_direct(kind: str, path: Path):
 
 def build_model(
     cfg: ModelConfig, params: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None,
-    scan_layers: bool = False,
+    scan_layers: bool = False, image_processor: ImageProcessorConfig | None = None,
 ) -> LoadedModel:
     """A converted checkpoint tree in the HF layout (q/k/v and gate/up apart, host arrays) ->
     the model: fused (convert/fused.py), then placed as `place_model` does."""
-    return place_model(cfg, fuse_checkpoint(cfg, params), tokenizer, source, dtype, mesh, scan_layers)
+    return place_model(cfg, fuse_checkpoint(cfg, params), tokenizer, source, dtype, mesh, scan_layers, image_processor)
 
 
 def place_model(
     cfg: ModelConfig, tree: dict[str, Any], tokenizer, source: str, dtype: str, mesh: Any = None,
-    scan_layers: bool = False,
+    scan_layers: bool = False, image_processor: ImageProcessorConfig | None = None,
 ) -> LoadedModel:
     """Places a checkpoint tree in the fused layout into the Transformer and computes derived
     constants. ``tree`` holds host arrays, or (a sharded restore, `read_converted`) device
@@ -322,7 +330,11 @@ def place_model(
     model = nnx.merge(graphdef, state)
     model.finalize()
     graphdef, state = nnx.split(model)
-    loaded = LoadedModel(cfg, graphdef, state, tokenizer, source, dtype, mesh)
+    vision, image_processor = None, (image_processor or ImageProcessorConfig()) if cfg.vision is not None else None
+    if cfg.vision is not None:  # the tower's tensors keep their HF names below "vision."
+        flat = dict(_flatten(tree["vision"], "vision."))
+        vision = vision_params_from_hf(flat, cfg.vision, prefix="vision.", dtype=dtype_jnp)
+    loaded = LoadedModel(cfg, graphdef, state, tokenizer, source, dtype, mesh, vision, image_processor)
     if mesh is not None:  # derived constants (finalize) land in their shardings too
         loaded = sharding.shard_params(loaded, mesh)
     return loaded
@@ -342,6 +354,24 @@ def _stack_where_they_are(mesh: Any):
         return jax.jit(jnp.stack, out_shardings=out)(leaves)
 
     return stack
+
+
+def _flatten(tree: dict[str, Any], prefix: str):
+    """A nested dict -> (dotted name, leaf) pairs."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", np.asarray(value)
+
+
+def image_processor_config(directory: Path) -> ImageProcessorConfig:
+    """The image preprocessing a VLM checkpoint declares (its ``preprocessor_config.json``),
+    else Qwen2-VL's defaults."""
+    path = directory / "preprocessor_config.json"
+    if not path.is_file():
+        return ImageProcessorConfig()
+    return ImageProcessorConfig.from_hf(json.loads(path.read_text()))
 
 
 def _fill(target: dict, source: dict, prefix: str, place) -> None:

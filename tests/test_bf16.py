@@ -18,7 +18,8 @@ import torch
 import popjax
 from popjax import engine, loading
 from popjax.eval.teacher import teacher_forced
-from popjax.generation import generate_ids, pad_batch
+from popjax.generation import generate_ids
+from popjax.requests import pad_batch
 from tests.conftest import TINY_CONFIGS, random_prompts
 
 

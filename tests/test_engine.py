@@ -11,7 +11,7 @@ import pytest
 import popjax
 from popjax import engine
 from popjax.eval.teacher import teacher_forced
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.models.attention import KV_BLOCK, PREFILL_BLOCK, cache_slots, cached_attention, causal_attention
 from tests.conftest import random_prompts
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from popjax import engine
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.methods import METHODS, make_method
 from tests.reference import ref_gate, ref_sizes, silu
 from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP, SKIP, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data

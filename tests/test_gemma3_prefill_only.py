@@ -21,7 +21,7 @@ from popjax import engine
 from popjax.analysis import layer_importance as li
 from popjax.eval.kv_drift import kv_drift
 from popjax.eval.teacher import teacher_forced
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from tests.conftest import random_prompts
 from tests.gemma3_reference import ATOL, SWEEP_MODEL, _ring_holds, calibration_corpus, log_softmax, run_reference, sweep_data

@@ -19,7 +19,7 @@ from popjax import engine
 from popjax.convert import convert as conv
 from popjax.convert.fused import dequantize_tree
 from popjax.convert.readers import CheckpointError
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.loaded import with_scanned_layers
 from popjax.loading import build_model, place_model
 from popjax.methods import METHODS, POPPlan, make_method

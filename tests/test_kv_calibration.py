@@ -20,7 +20,7 @@ from popjax import cache, engine
 from popjax.methods.prefill_only import calibrate as calibrate_module, kv_store
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.calibration import Corpus
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.eval.kv_drift import kv_drift
 from popjax.methods import MethodError
 from tests.conftest import TINY_BASE, TINY_CONFIGS, random_prompts

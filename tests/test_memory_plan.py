@@ -15,7 +15,7 @@ import pytest
 import popjax
 from popjax.analysis.memory_plan import check_hosts, memory_plan, parse_mesh, published_configs, resolve_config
 from popjax.models.config import ConfigError, ModelConfig
-from popjax.generation import GenerationRequest
+from popjax.requests import GenerationRequest
 from popjax.sharding import make_mesh
 from tests.conftest import TINY_BASE, tiny_program_env
 

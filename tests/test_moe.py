@@ -15,7 +15,7 @@ import popjax
 from popjax import engine
 from popjax.convert import convert as conv
 from popjax.convert.readers import CheckpointError
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.loading import build_model
 from popjax.methods import ffn_ratio
 from popjax.models.config import ConfigError, ModelConfig

@@ -16,7 +16,7 @@ from popjax import calibration, engine
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.calibration import Corpus, Statistic, calibrate, collect
 from popjax.convert import convert as conv
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.loading import build_model
 from popjax.methods import METHODS, MethodError, make_method
 from popjax.methods.flap import ActivationMoments, flap_selection, layer_floor

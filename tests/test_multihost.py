@@ -109,7 +109,7 @@ def run_methods(model) -> dict:
     import popjax
     from popjax.calibration import Corpus
     from popjax.eval.teacher import teacher_forced
-    from popjax.generation import pad_batch
+    from popjax.requests import pad_batch
 
     vocab = model.config.vocab_size
     targets = np.random.default_rng(2).integers(0, vocab, (len(PROMPTS), NEW_TOKENS)).astype(np.int32)

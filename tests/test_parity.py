@@ -11,7 +11,7 @@ import torch
 import popjax
 from popjax import engine
 from popjax.eval.teacher import teacher_forced
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from tests.conftest import TINY_CONFIGS, random_prompts
 
 ATOL = 1e-4

@@ -14,7 +14,7 @@ import torch
 import popjax
 from popjax import engine
 from popjax.eval.teacher import teacher_forced
-from popjax.generation import pad_batch
+from popjax.requests import pad_batch
 from popjax.methods import MethodError, make_method
 from tests.conftest import random_prompts
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 import popjax
 from popjax import engine
-from popjax.generation import GenerationRequest, pad_batch
+from popjax.requests import GenerationRequest, pad_batch
 from popjax.loading import build_model
 from popjax.loaded import with_scanned_layers
 from popjax.methods.teal import TEALPlan, thresholds_data

@@ -370,7 +370,7 @@ def compiled_start(model, method):
     import jax.numpy as jnp
 
     from popjax import engine, sharding
-    from popjax.generation import GenerationRequest
+    from popjax.requests import GenerationRequest
 
     req = GenerationRequest.create(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True)
     with sharding.use_mesh(model):
@@ -503,7 +503,8 @@ def worker(out_path: str, all_methods: bool = False) -> None:
 
     import popjax
     from popjax import sharding
-    from popjax.generation import generate_ids, pad_batch
+    from popjax.generation import generate_ids
+    from popjax.requests import pad_batch
     from popjax.loading import build_model
 
     start = time.process_time()

@@ -42,7 +42,8 @@ def worker(out_path: str) -> None:
 
     import popjax
     from popjax import sharding
-    from popjax.generation import generate_ids, pad_batch
+    from popjax.generation import generate_ids
+    from popjax.requests import pad_batch
     from popjax.loading import build_model
 
     start = time.process_time()

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import engine, sharding
-from ..generation import MAX_STOP_IDS
+from ..requests import MAX_STOP_IDS
 from ..models.config import ModelConfig
 from ..models.attention import ring_slots
 from ..models.decoder import abstract_model

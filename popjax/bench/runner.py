@@ -26,7 +26,8 @@ from .. import engine
 from ..analysis.flops import bytes_per_step, flops_report
 from ..convert.default_model import DEFAULT_MODEL, default_gguf_path
 from ..data import DEV_PLAY, load_play
-from ..generation import generate_ids, pad_batch, pad_token_id
+from ..generation import generate_ids
+from ..requests import pad_batch, pad_token_id
 from ..loaded import LoadedModel
 from ..loading import load
 from ..methods import Method, make_method, method_label, sweep

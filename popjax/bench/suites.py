@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import engine
-from ..generation import GenerationRequest, stream_ids
+from ..generation import stream_ids
+from ..requests import GenerationRequest
 from ..loaded import LoadedModel
 from ..methods import Method, method_label
 from ..models.attention import cache_slots

@@ -24,6 +24,8 @@ def register(sub) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for a vision-language model (repeatable): given before the text of every prompt")
     add_method_args(gen)
     add_distributed_args(gen)
     gen.set_defaults(run=run)
@@ -33,6 +35,12 @@ def run(args: argparse.Namespace) -> None:
     method = method_from_args(args)  # validate before the (slow) load
     model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
     show = distributed.is_main()  # every process generates the same tokens; process 0 prints them
+    prompts = list(args.prompts)
+    if args.image:  # a chat message whose content is the images, then the text (transformers' format)
+        if args.no_chat:
+            raise SystemExit("popjax generate: --image needs the chat template (it writes the image placeholders); drop --no-chat")
+        images = [{"type": "image", "image": path} for path in args.image]
+        prompts = [[{"role": "user", "content": [*images, {"type": "text", "text": text}]}] for text in prompts]
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -42,14 +50,14 @@ def run(args: argparse.Namespace) -> None:
         method=method,
         chat=False if args.no_chat else None,
     )
-    if len(args.prompts) == 1:  # one prompt: print its tokens as they come
-        for piece in stream(model, args.prompts[0], **options):
+    if len(prompts) == 1:  # one prompt: print its tokens as they come
+        for piece in stream(model, prompts[0], **options):
             if show:
                 print(piece.text, end="", flush=True)
         if show:
             print()
         return
-    out = generate(model, args.prompts, **options)
+    out = generate(model, prompts, **options)
     if not show:
         return
     for prompt, text in zip(args.prompts, out.texts):

@@ -43,7 +43,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import engine
-from ..generation import GenerationRequest
+from ..requests import GenerationRequest
 from ..loaded import LoadedModel
 from ..methods import METHODS, Dense, Method, MethodError, method_label, sweep
 from ..methods.base import ROW_AGGREGATES  # one selection per row: batches keep batch-1 semantics

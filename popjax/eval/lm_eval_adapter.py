@@ -46,7 +46,8 @@ from tqdm import tqdm
 
 from .. import engine
 from ..convert.default_model import DEFAULT_MODEL
-from ..generation import MAX_STOP_IDS, generate_ids
+from ..generation import generate_ids
+from ..requests import MAX_STOP_IDS
 from ..loaded import LoadedModel
 from ..loading import load
 from ..methods import Method, make_method, method_class, method_fields

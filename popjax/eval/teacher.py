@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import distributed, engine
-from ..generation import pad_batch, pad_token_id
+from ..requests import pad_batch, pad_token_id
 from ..loaded import LoadedModel
 from ..methods import Method, prepared
 

@@ -122,7 +122,12 @@ def check_gamma(gamma: float) -> None:
 
 
 def prefill_importance(h: jax.Array, valid: jax.Array, down_norm: jax.Array) -> jax.Array:
-    """I_j = ‖H[valid, j]‖₂ · ‖W_d[:, j]‖₂ over batch and valid tokens: h [B, T, f] -> [f] fp32."""
+    """I_j = ‖H[valid, j]‖₂ · ‖W_d[:, j]‖₂ over batch and valid tokens: h [B, T, f] -> [f] fp32.
+    ``valid`` may instead be fp32 token weights [B, T] (prompt_tokens.scoring_tokens'
+    "balanced"): then I_j = √(Σ_t valid_t · H_tj²) · ‖W_d[:, j]‖₂."""
+    if valid.dtype != jnp.bool_:
+        hf = h.astype(jnp.float32)
+        return jnp.sqrt(jnp.sum(valid[..., None] * hf * hf, axis=(0, 1))) * down_norm
     hf = jnp.where(valid[..., None], h.astype(jnp.float32), 0.0)
     return jnp.sqrt(jnp.sum(hf * hf, axis=(0, 1))) * down_norm
 

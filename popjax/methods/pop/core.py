@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from ...models.config import ModelConfig
 from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
+from ..prompt_tokens import check_prompt_tokens
 from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
 from .sharded import POPShardedPlan
 
@@ -37,10 +38,13 @@ class POPPreset(RatioMethod):
 
     plan_class: ClassVar[type] = POPPlan
     gamma: float = dataclasses.field(default=0.1, kw_only=True)
+    # on a vision-language model: which prompt tokens score the partition (prompt_tokens.py)
+    prompt_tokens: str = dataclasses.field(default="all", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         check_gamma(self.gamma)
+        check_prompt_tokens(self.prompt_tokens)
 
     def band_rule(self) -> BandRule:
         return GLOBAL_BAND
@@ -52,7 +56,7 @@ class POPPreset(RatioMethod):
         """The `POPPlan` fields beyond f, n_keep and aggregate: m, scorer and band."""
         band = self.band_rule()
         m = band.selected(self.gamma, f, n_keep)
-        return {"m": m, "scorer": self.candidate_scorer(f, n_keep, m), "band": band}
+        return {"m": m, "scorer": self.candidate_scorer(f, n_keep, m), "band": band, "prompt_tokens": self.prompt_tokens}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,8 @@ class POP(POPPreset):
         check_choice("partition", self.partition, PARTITIONS)
         if self.shards is not None and (isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1):
             raise MethodError(f"shards={self.shards!r} is invalid; use a positive integer that divides f")
+        if self.partition == "per_shard" and self.prompt_tokens != "all":
+            raise MethodError(f"prompt_tokens={self.prompt_tokens!r} applies to partition='global' only")
         if self.shards is not None and self.partition != "per_shard":
             raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
         check_choice("weights", self.weights, WEIGHT_MODES)

@@ -305,5 +305,5 @@ class LayerBandsPOP(POPPreset):
                 f"bands {list(bands)} do not fit this model: need {units}, "
                 f"Σ m_l ≤ {'L' if not blocks else 'blocks'}·m = {n_units * m} (POP's budget at gamma={self.gamma}), each ≤ {cap}"
             )
-        return layer_bands_plan(f, n_keep, m, tuple(bands), self.aggregate, blocks,
-                                tuple(bool(u) for u in used) if blocks else ())
+        plan = layer_bands_plan(f, n_keep, m, tuple(bands), self.aggregate, blocks, tuple(bool(u) for u in used) if blocks else ())
+        return dataclasses.replace(plan, prompt_tokens=self.prompt_tokens)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from ...models.quant import empty_along
 from ...sharding import pad_ids
+from ..prompt_tokens import scoring_tokens
 from ..base import (gate_activation, 
     AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
     step_importance, take_channels, take_gate_up,
@@ -225,6 +226,7 @@ class POPPlan(AggregatedPlan):
     scorer: CandidateScorer = EXACT
     band: BandRule = GLOBAL_BAND
     blocks: int = 0
+    prompt_tokens: str = "all"  # which prompt tokens of a VLM's prompt score the partition (prompt_tokens.py)
 
     def __post_init__(self):
         self.band.check(self.scorer)
@@ -254,6 +256,12 @@ class POPPlan(AggregatedPlan):
     @property
     def requires_data(self) -> bool:
         return self.scorer.requires_data
+
+    def prefill(self, w, x, valid):
+        """The prompt tokens that score the partition replace ``valid`` (image tokens read from
+        ``w["image_tokens"]``, present for a batch with images)."""
+        per_row = self.aggregate == "per_sequence"
+        return super().prefill(w, x, scoring_tokens(valid, w.get("image_tokens"), self.prompt_tokens, per_row))
 
     def _prefill(self, w, x, valid):
         return self.band.prefill(self, w, x, valid)

@@ -1,0 +1,202 @@
+"""Qwen2-VL and Qwen2.5-VL end to end against transformers on tiny random models saved as HF
+checkpoints and converted by popjax: logits of text-only prompts, one image, two images of
+different sizes, a left-padded batch mixing image and text-only rows, greedy generation (8 new
+tokens, so the decode positions after an image continue as HF's do), and the errors for images
+a prompt cannot take. The images are real: scikit-learn's handwritten digits, upscaled."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import popjax
+from popjax.images import ImageError, preprocess
+from popjax.models.vision import image_features
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("sklearn.datasets")
+
+PAD, BOS, EOS, VISION_START, VISION_END, IMAGE, VIDEO = 0, 1, 2, 90, 91, 92, 93
+TEXT = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+ARCHS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def digit(index: int, size: tuple[int, int]) -> Image.Image:
+    """scikit-learn's handwritten digit ``index`` (8×8, 0..16) as an RGB image of ``size`` (w, h)."""
+    pixels = datasets.load_digits().images[index]
+    gray = Image.fromarray((pixels * (255 / 16)).astype(np.uint8), "L").resize(size, Image.BILINEAR)
+    return gray.convert("RGB")
+
+
+def _randomise(model) -> None:
+    """Weights of order 1/√fan_in (HF's 0.02 init leaves logits nearly flat: a weak check)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                fan_in = int(np.prod(p.shape[1:]))
+                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+            elif "norm" in name or "ln_q" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if name.endswith("weight") else 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(arch: str):
+    if arch == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2)
+        cfg = transformers.Qwen2VLConfig(text_config=TEXT, vision_config=vision, tie_word_embeddings=False, **TOKENS)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:  # a window of 56 pixels: the 84×112 image spans several windows; block 1 attends fully
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, window_size=56,
+                      fullatt_block_indexes=[1])
+        cfg = transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=vision, tie_word_embeddings=False, **TOKENS)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    _randomise(model)
+    return model
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tmp_path_factory):
+    """(HF model, popjax model converted from its saved checkpoint)."""
+    hf = _hf_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    return hf, popjax.load(str(directory), cache=False)
+
+
+def expanded(pieces, merge: int = 2) -> tuple[list[int], list[Image.Image]]:
+    """pieces: lists of text ids and images -> ids with each image's placeholders expanded as
+    the processor writes them (vision_start, one image token per merged patch, vision_end)."""
+    ids, images = [BOS], []
+    for piece in pieces:
+        if isinstance(piece, Image.Image):
+            grid = preprocess([piece]).grid_thw[0]
+            ids += [VISION_START] + [IMAGE] * int(np.prod(grid) // merge**2) + [VISION_END]
+            images.append(piece)
+        else:
+            ids += list(piece)
+    return ids, images
+
+
+def hf_logits(hf, rows: list[list[int]], images: list[list[Image.Image]]) -> np.ndarray:
+    """Left-padded batch through transformers -> logits [B, T, V] (padding rows included)."""
+    T = max(map(len, rows))
+    ids = torch.full((len(rows), T), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    kwargs = {}
+    flat = [im for row in images for im in row]
+    if flat:
+        pixels = preprocess(flat)
+        kwargs = dict(pixel_values=torch.from_numpy(pixels.pixel_values), image_grid_thw=torch.from_numpy(pixels.grid_thw),
+                      mm_token_type_ids=(ids == IMAGE).long())
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask, **kwargs).logits.numpy(), mask.numpy()
+
+
+def ours_logits(model, rows, images):
+    T = max(map(len, rows))
+    ids = np.full((len(rows), T), PAD, np.int64)
+    mask = np.zeros((len(rows), T), np.int64)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = r
+        mask[b, T - len(r):] = 1
+    return np.asarray(popjax.forward(model, ids, mask, images=images if any(images) else None))
+
+
+CASES = {
+    "text_only": lambda: [expanded([[5, 6, 7, 8, 9, 10, 11]])],
+    "one_image": lambda: [expanded([[5, 6], digit(0, (56, 56)), [7, 8, 9]])],
+    "two_images_of_different_sizes": lambda: [expanded([[5], digit(1, (56, 56)), [6, 7], digit(2, (84, 112)), [8, 9]])],
+    "mixed_padded_batch": lambda: [expanded([[5, 6], digit(3, (84, 56)), [7]]), expanded([[10, 11, 12]]),
+                                   expanded([digit(4, (56, 84)), [13, 14, 15, 16]])],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(pair, case):
+    hf, model = pair
+    rows, images = zip(*CASES[case]())
+    want, mask = hf_logits(hf, list(rows), list(images))
+    got = ours_logits(model, list(rows), list(images))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    assert np.abs(want[valid]).max() > 1.0  # the check can fail: logits far from flat
+
+
+def test_vision_tower_matches_get_image_features(pair):
+    hf, model = pair
+    images = [digit(5, (56, 84)), digit(6, (112, 84))]
+    pixels = preprocess(images)
+    with torch.no_grad():
+        out = hf.model.get_image_features(torch.from_numpy(pixels.pixel_values), torch.from_numpy(pixels.grid_thw))
+    want = torch.cat(list(out.pooler_output if hasattr(out, "pooler_output") else out)).numpy()
+    got = image_features(model.vision, model.config.vision, pixels.pixel_values, pixels.grid_thw)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    """8 greedy tokens after prompts with images (one padded batch with a text-only row): the
+    decode positions continue from each row's rope delta."""
+    hf, model = pair
+    rows, images = zip(expanded([[5, 6], digit(7, (56, 56)), [7, 8]]), expanded([[20, 21, 22, 23, 24]]))
+    ours, _ = popjax.generate_ids(model, list(rows), max_new_tokens=8, images=list(images), ignore_eos=True)
+    for row, row_images, got in zip(rows, images, ours):
+        kwargs = {}
+        if row_images:
+            pixels = preprocess(row_images)
+            ids = torch.tensor([row])
+            kwargs = dict(pixel_values=torch.from_numpy(pixels.pixel_values), image_grid_thw=torch.from_numpy(pixels.grid_thw),
+                          mm_token_type_ids=(ids == IMAGE).long())
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([row]), attention_mask=torch.ones((1, len(row)), dtype=torch.long),
+                              max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD, **kwargs)
+        assert got == out[0, len(row):].tolist()
+
+
+def test_single_placeholders_are_expanded(pair):
+    """A prompt with one placeholder per image (as a chat template writes it) generates as its
+    expanded form does."""
+    _, model = pair
+    image = digit(8, (84, 56))
+    full, _ = expanded([[5], image, [6]])
+    short = [BOS, 5, VISION_START, IMAGE, VISION_END, 6]
+    a, _ = popjax.generate_ids(model, [full], max_new_tokens=4, images=[[image]], ignore_eos=True)
+    b, _ = popjax.generate_ids(model, [short], max_new_tokens=4, images=[[image]], ignore_eos=True)
+    assert a == b
+
+
+def test_bad_image_input(pair, tmp_path):
+    _, model = pair
+    image = digit(9, (56, 56))
+    one, _ = expanded([[5], image, [6]])
+    with pytest.raises(ImageError, match="2 image\\(s\\)"):
+        popjax.generate_ids(model, [one], max_new_tokens=2, images=[[image, image]])
+    with pytest.raises(ImageError, match="no images were given"):
+        popjax.generate_ids(model, [one], max_new_tokens=2)
+    with pytest.raises(ImageError, match="shape \\(0, 5, 3\\) is empty"):
+        popjax.generate_ids(model, [one], max_new_tokens=2, images=[[np.zeros((0, 5, 3), np.uint8)]])
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("hello")
+    with pytest.raises(ImageError, match="not-an-image.png"):
+        popjax.generate_ids(model, [one], max_new_tokens=2, images=[[str(bad)]])
+
+
+def test_an_image_for_a_text_only_model(tiny_model):
+    with pytest.raises(ImageError, match="text-only"):
+        popjax.generate_ids(tiny_model, [[1, 2, 3]], max_new_tokens=2, images=[[digit(0, (56, 56))]])
