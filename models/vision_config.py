@@ -283,3 +283,15 @@ def vision_params_from_hf(
         "blocks": {k: cast(v) for k, v in blocks.items()},
         "merger": {k: cast(v) for k, v in merger.items()},
     }
+
+
+def vision_tensors_to_hf(params: Mapping[str, Any], cfg: VisionConfig, prefix: str = "vision.") -> dict[str, np.ndarray]:
+    """The inverse of `vision_params_from_hf`: the params pytree -> {``prefix`` + HF name: NumPy
+    array} (the Conv3d kernel unflattened, the blocks unstacked)."""
+    out = {f"{prefix}patch_embed.proj.weight": np.asarray(params["patch_embed"], np.float32).reshape(_patch_embed_shape(cfg))}
+    for ours, hf, _ in _block_tensors(cfg):
+        stacked = np.asarray(params["blocks"][ours], np.float32)
+        out.update({f"{prefix}blocks.{i}.{hf}": stacked[i] for i in range(cfg.depth)})
+    out.update({f"{prefix}merger.{hf}": np.asarray(params["merger"][ours], np.float32) for ours, hf, _ in _merger_tensors(cfg)})
+    return out
+

@@ -17,7 +17,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_exist_and_are_stripped():
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_pop_dynamics.ipynb", "03_method_comparison.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_pop_dynamics.ipynb", "03_method_comparison.ipynb",
+                                          "04_vision_language.ipynb"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
