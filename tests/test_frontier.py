@@ -83,6 +83,7 @@ def test_one_record_per_configuration_with_plan_bytes(model, records):
         assert pop["gamma"] == 0.2 and pop["label"] == "pop(gamma=0.2)" and pop["aggregate"] == "per_sequence"
         for r in (pop, _get(records, "static", q), _get(records, "bwap", 0.4)):
             assert r["kl"] > 1e-6 and np.isfinite(r["nll"]) and len(r["nll_by_position"]) == N
+            assert len(r["nll_by_window"]) == r["windows"] and np.mean(r["nll_by_window"]) == pytest.approx(r["nll"], abs=1e-6)
     assert _get(records, "bwap", 0.4)["nll_batch_size"] == 1 and _get(records, "static", 0.4)["nll_batch_size"] == B
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from PIL import Image
 
 from ..cache import get_or_make
 from ..convert.convert import checkpoint_shapes, unflatten
@@ -116,7 +117,6 @@ def model_config(recipe: Recipe) -> ModelConfig:
 def digit_images(split: str) -> tuple[list[np.ndarray], np.ndarray]:
     """scikit-learn's digits of ``split`` ("train": all but the last `HELD_OUT` of a fixed
     permutation, "test": those) -> (RGB uint8 [56, 56, 3] images, labels [n])."""
-    from PIL import Image
     from sklearn.datasets import load_digits  # heavy: scikit-learn only for the digits
 
     digits = load_digits()

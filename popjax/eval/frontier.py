@@ -264,6 +264,7 @@ def frontier(
             "ppl": float(np.exp(nll.mean())),
             "kl": float(kl.mean()),
             "nll_by_position": nll.mean(axis=0).tolist(),
+            "nll_by_window": nll.mean(axis=1).tolist(),  # for paired comparisons between configurations
             "ffn_bytes_per_token": ffn_bytes,
             "ffn_bytes_fraction": ffn_bytes / dense_bytes,
             "plan_delta_vs_dense": ffn_bytes - dense_bytes,
