@@ -91,14 +91,20 @@ def expanded(pieces, merge: int = 2) -> tuple[list[int], list[Image.Image]]:
     return ids, images
 
 
-def hf_logits(hf, rows: list[list[int]], images: list[list[Image.Image]]) -> np.ndarray:
-    """Left-padded batch through transformers -> logits [B, T, V] (padding rows included)."""
+def left_padded(rows: list[list[int]]):
+    """Token-id rows -> torch ids, mask [B, T] (left padding with PAD)."""
     T = max(map(len, rows))
     ids = torch.full((len(rows), T), PAD, dtype=torch.long)
     mask = torch.zeros((len(rows), T), dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, T - len(r):] = torch.tensor(r)
         mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+def hf_logits(hf, rows: list[list[int]], images: list[list[Image.Image]]) -> np.ndarray:
+    """Left-padded batch through transformers -> logits [B, T, V] (padding rows included)."""
+    ids, mask = left_padded(rows)
     kwargs = {}
     flat = [im for row in images for im in row]
     if flat:

@@ -12,7 +12,7 @@ import popjax
 from popjax.corpus import Corpus
 from popjax.methods import METHODS, MethodError, make_method
 from popjax.methods.prompt_tokens import PROMPT_TOKENS
-from tests.test_vlm import IMAGE, PAD, _hf_model, digit, expanded
+from tests.test_vlm import IMAGE, _hf_model, digit, expanded, left_padded
 
 torch = pytest.importorskip("torch")
 
@@ -44,12 +44,7 @@ def reference_partitions(hf, rows, images, choice: str, n_keep: int, n_r: int, n
     the layer's FFN input x, I_j = √(Σ_t weight_t H_tj²) · ‖W_d[:, j]‖₂, the ranking cut into R
     (top n_r) and C (next n_c), and the layer's output through its top n_keep channels only (the
     prompt's own pruned pass, so the next layer sees what POP's does) -> [(R, C)] per layer."""
-    T = max(map(len, rows))
-    ids = torch.full((len(rows), T), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, T - len(r):] = torch.tensor(r)
-        mask[b, T - len(r):] = 1
+    ids, mask = left_padded(rows)
     weight = scoring_weights(mask.numpy().astype(bool), ids.numpy() == IMAGE, choice)
     parts = []
 
