@@ -15,7 +15,8 @@ from PIL import Image
 import popjax
 from popjax.cli import main
 from popjax.eval.digits_vlm import DIGIT_WORDS, QUESTIONS, Recipe, answer, digits_vlm, make_tokenizer, question, train
-from popjax.eval.digits_vqa import accuracy, answer_nll
+from popjax.eval.digits_vqa import accuracy, answer_nll, digits_task
+from popjax.eval.harness import EvalSettings, evaluate
 from popjax.models.vision_config import VisionConfig, vision_params_from_hf, vision_tensor_shapes, vision_tensors_to_hf
 
 SHORT = Recipe(steps=30, batch=8, vision_depth=1, layers=2)
@@ -53,6 +54,9 @@ def test_training_is_cached_like_a_converted_model(tmp_path, capsys):
     acc, _ = accuracy(cached, None, images, np.array([3, 5]))
     assert acc.total == 2 and 0.0 <= acc.value <= 1.0
     assert np.all(np.isfinite(answer_nll(cached, popjax.POP(0.2, prompt_tokens="balanced"), images, np.array([3, 5]))))
+    # popjax eval's digits_vqa task on the same model, and its refusal of a text model
+    records = evaluate(cached, [popjax.POP(0.2, aggregate="per_sequence")], ["digits_vqa"], "", EvalSettings(digits_images=3))
+    assert records[0]["digits_images"] == 3 and 0.0 <= records[0]["digits_accuracy"] <= 1.0
     # the CLI: an image file and a question, through the model's chat template
     Image.fromarray(images[0]).save(tmp_path / "digit.png")
     capsys.readouterr()
@@ -76,3 +80,8 @@ def tiny_vision_params():
     rng = np.random.default_rng(0)
     tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in vision_tensor_shapes(cfg).items()}
     return vision_params_from_hf(tensors, cfg), cfg
+
+
+def test_digits_task_refuses_another_model(tiny_model):
+    with pytest.raises(ValueError, match="the digits_vqa task asks the digits VLM"):
+        digits_task(tiny_model, popjax.POP(0.2))

@@ -206,3 +206,12 @@ def test_bad_image_input(pair, tmp_path):
 def test_an_image_for_a_text_only_model(tiny_model):
     with pytest.raises(ImageError, match="text-only"):
         popjax.generate_ids(tiny_model, [[1, 2, 3]], max_new_tokens=2, images=[[digit(0, (56, 56))]])
+
+
+def test_stream_with_an_image_equals_generate(pair):
+    """The streamed tokens of an image prompt are the compiled loop's."""
+    _, model = pair
+    ids, images = expanded([[5, 6], digit(3, (56, 84)), [7, 8]])
+    want, _ = popjax.generate_ids(model, [ids], max_new_tokens=6, images=[images], ignore_eos=True)
+    got = list(popjax.stream_ids(model, ids, max_new_tokens=6, images=images, ignore_eos=True))
+    assert got == want[0]

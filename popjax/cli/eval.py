@@ -6,6 +6,7 @@ import argparse
 
 from ..convert.default_model import DEFAULT_MODEL
 from ..data import load_play, load_text_file
+from ..eval.digits_vlm import digits_vlm
 from ..eval.harness import EvalSettings, check_tasks, evaluate, markdown_table, plot_records, sweep_methods
 from ..eval.tasks import CodeNLLSettings, FidelitySettings, HumanEvalSettings, NLLSettings
 from ..loading import load
@@ -14,7 +15,7 @@ from .common import add_distributed_args, add_weights_arg, comma_list, mesh_from
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate pruning methods on real data (NLL, fidelity, HumanEval)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL}); digits-vlm: the small VLM trained here (task digits_vqa)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     add_weights_arg(p)
     p.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
@@ -58,7 +59,10 @@ def run(args: argparse.Namespace) -> None:
         next_line_play=args.play,
         next_line_documents=args.next_line_documents,
     )
-    model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
+    if args.model == "digits-vlm":  # the small VLM trained here (cached), for the digits_vqa task
+        model = digits_vlm()
+    else:
+        model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
     records = evaluate(model, methods, args.tasks, text, settings)
     source = args.text_file or f"Shakespeare, {args.play}"
     write_outputs(args, records, markdown_table(records), plot_records, "popjax evaluation", f"Model `{args.model}`, NLL text: {source}.")

@@ -109,6 +109,22 @@ def answer_nll(model: LoadedModel, method: Method | None, images, labels) -> np.
     return np.concatenate(out)
 
 
+def digits_task(model: LoadedModel, method: Method, limit: int | None = None) -> dict[str, float]:
+    """``popjax eval``'s "digits_vqa" task: accuracy and answer NLL over the held-out digits
+    (the first ``limit``) of the digits VLM (`digits_vlm`; ``popjax eval --model digits-vlm``)."""
+    vocab = model.tokenizer.get_vocab() if model.tokenizer is not None else {}
+    if not model.config.is_vision_language or any(w not in vocab for w in DIGIT_WORDS):
+        raise ValueError(f"the digits_vqa task asks the digits VLM trained here (--model digits-vlm); {model.source} is not it")
+    images, labels = digit_images("test")
+    images, labels = images[:limit], labels[:limit]
+    if method.needs_calibration:
+        method = method.calibrate(model, text_corpus(model), cache=False)
+    acc, _ = accuracy(model, method, images, labels)
+    nll = answer_nll(model, method, images, labels)
+    return {"digits_accuracy": acc.value, "digits_accuracy_stderr": acc.stderr, "digits_answer_nll": float(nll.mean()),
+            "digits_images": acc.total}
+
+
 def retained_overlap(traces_a: list[Any], traces_b: list[Any]) -> float:
     """Mean over prompts and layers of |R_a ∩ R_b| / |R| of two POP runs' per-prompt partitions."""
     shares = []

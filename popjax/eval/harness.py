@@ -21,16 +21,18 @@ from ..loaded import LoadedModel
 from ..methods import Method, method_label, sweep
 from . import tasks as T
 from ..data import INSTRUCTIONS, humaneval_problems
+from .digits_vqa import digits_task
 from .local_tasks import next_line_accuracy, write_next_line_task
 
 log = logging.getLogger(__name__)
-TASKS = ("nll", "code_nll", "fidelity", "next_line", "humaneval")
+TASKS = ("nll", "code_nll", "fidelity", "next_line", "humaneval", "digits_vqa")
 METRICS = {  # what the table and the ratio plots show, per task
     "nll": ("nll", "ppl"),
     "code_nll": ("code_nll",),
     "fidelity": ("agreement_prefix", "agreement", "kl"),
     "next_line": ("next_line_acc", "next_line_acc_norm"),  # the local lm-eval task (local_tasks.py)
     "humaneval": ("pass_at_1",),
+    "digits_vqa": ("digits_accuracy", "digits_answer_nll"),  # image questions: the digits VLM trained here (digits_vqa.py)
 }
 
 
@@ -44,6 +46,7 @@ class EvalSettings:
     fidelity_humaneval_prompts: int = 8  # HumanEval prompts added to the instructions
     next_line_play: str = "coriolanus"  # the play of the local lm-eval task
     next_line_documents: int = 48
+    digits_images: int | None = None  # held-out digits of the digits_vqa task (None: all 297)
 
 
 def check_tasks(task_names: list[str]) -> None:
@@ -99,6 +102,8 @@ def evaluate(
             metrics = T.fidelity(model, method, prompts, reference, settings.fidelity)
         elif task == "next_line":
             metrics = next_line_accuracy(model, method, task_dir)
+        elif task == "digits_vqa":
+            metrics = digits_task(model, method, settings.digits_images)
         else:
             metrics = T.humaneval(model, method, problems, settings.humaneval)
         records.append({
