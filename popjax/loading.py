@@ -332,6 +332,8 @@ def place_model(
     graphdef, state = nnx.split(model)
     vision, image_processor = None, (image_processor or ImageProcessorConfig()) if cfg.vision is not None else None
     if cfg.vision is not None:  # the tower's tensors keep their HF names below "vision."
+        if "vision" not in tree:
+            raise CheckpointError(f"{source} is a {cfg.model_type} model and its checkpoint has no vision tower tensors")
         flat = dict(_flatten(tree["vision"], "vision."))
         vision = vision_params_from_hf(flat, cfg.vision, prefix="vision.", dtype=dtype_jnp)
     loaded = LoadedModel(cfg, graphdef, state, tokenizer, source, dtype, mesh, vision, image_processor)

@@ -6,6 +6,7 @@ a prompt cannot take. The images are real: scikit-learn's handwritten digits, up
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -13,8 +14,12 @@ import pytest
 from PIL import Image
 
 import popjax
+from popjax.convert.convert import unflatten
 from popjax.images import ImageError, preprocess
+from popjax.loading import build_model
 from popjax.models.vision import image_features
+from popjax.models.vision_config import vision_tensors_to_hf
+from popjax.pruned import checkpoint_tree
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -215,3 +220,19 @@ def test_stream_with_an_image_equals_generate(pair):
     want, _ = popjax.generate_ids(model, [ids], max_new_tokens=6, images=[images], ignore_eos=True)
     got = list(popjax.stream_ids(model, ids, max_new_tokens=6, images=images, ignore_eos=True))
     assert got == want[0]
+
+
+def test_int8_vlm_equals_its_dequantized_twin(tmp_path):
+    """An int8 VLM (the language model int8, the tower float) gives the logits and POP's tokens of
+    the float model on its dequantized weights, with images."""
+    hf = _hf_model("qwen2_vl")
+    hf.save_pretrained(tmp_path)
+    model = popjax.load(str(tmp_path), cache=False, weights="int8", activations="float")
+    float_cfg = dataclasses.replace(model.config, weights="float")
+    tree = {**checkpoint_tree(model), "vision": unflatten(vision_tensors_to_hf(model.vision, model.config.vision))["vision"]}
+    twin = build_model(float_cfg, tree, None, "dequantized", "float32")  # checkpoint_tree: the q · s values
+    rows, images = zip(*CASES["mixed_padded_batch"]())
+    np.testing.assert_allclose(ours_logits(model, list(rows), list(images)), ours_logits(twin, list(rows), list(images)), atol=1e-4)
+    a, _ = popjax.generate_ids(model, list(rows), 6, images=list(images), method=popjax.POP(0.2), ignore_eos=True)
+    b, _ = popjax.generate_ids(twin, list(rows), 6, images=list(images), method=popjax.POP(0.2), ignore_eos=True)
+    assert a == b
