@@ -93,6 +93,9 @@ def _tokenizer_saver(kind: str, path: Path):
     def save(target: Path) -> bool:
         from transformers import AutoTokenizer  # heavy: transformers only for a tokenizer
 
+        if kind != "gguf" and (path / "preprocessor_config.json").is_file():  # a VLM's image preprocessing
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path / "preprocessor_config.json", target / "preprocessor_config.json")
         if kind == "gguf":  # a GGUF file always carries its tokenizer: failing to build it is an error
             tok = gguf_tokenizer(path)
         else:
@@ -102,8 +105,6 @@ def _tokenizer_saver(kind: str, path: Path):
                 log.warning("no tokenizer for %s (%s); generate() will need token ids", path, err)
                 return False
         tok.save_pretrained(str(target))
-        if kind != "gguf" and (path / "preprocessor_config.json").is_file():  # a VLM's image preprocessing
-            shutil.copy(path / "preprocessor_config.json", target / "preprocessor_config.json")
         return True
 
     return save

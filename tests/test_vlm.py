@@ -236,3 +236,20 @@ def test_int8_vlm_equals_its_dequantized_twin(tmp_path):
     a, _ = popjax.generate_ids(model, list(rows), 6, images=list(images), method=popjax.POP(0.2), ignore_eos=True)
     b, _ = popjax.generate_ids(twin, list(rows), 6, images=list(images), method=popjax.POP(0.2), ignore_eos=True)
     assert a == b
+
+
+def test_the_checkpoints_image_preprocessing_is_kept(tmp_path):
+    """A checkpoint's preprocessor_config.json (here a small max_pixels) travels into the cached
+    converted store and sizes the images as transformers' processor does with it."""
+    hf = _hf_model("qwen2_5_vl")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text('{"min_pixels": 3136, "max_pixels": 12544, "patch_size": 14}')
+    model = popjax.load(str(tmp_path))  # through the cache: converted once, then read back
+    assert (model.image_processor.min_pixels, model.image_processor.max_pixels) == (3136, 12544)
+    big = digit(2, (280, 224))  # above max_pixels: resized down, as the processor does
+    processor = transformers.Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12544)
+    want = processor(images=[big], return_tensors="np")["image_grid_thw"]
+    np.testing.assert_array_equal(preprocess([big], model.image_processor).grid_thw, want)
+    out, _ = popjax.generate_ids(model, [[BOS, 5, VISION_START, IMAGE, VISION_END, 6]], max_new_tokens=2, images=[[big]],
+                                 ignore_eos=True)  # one placeholder, expanded to the resized grid's tokens
+    assert len(out[0]) == 2
