@@ -9,7 +9,7 @@ the answer needs the image and the question together) with "it is <word>". Its t
 `popjax.generate` takes the same chat messages as for a real Qwen2-VL.
 
 The trained weights are cached like a converted model (kind "converted", keyed by the recipe):
-`digits_vlm()` trains once (about a minute on 2 cores) and then loads from the cache.
+`digits_vlm()` trains once (about two minutes on 2 cores) and then loads from the cache.
 Held-out: the last 297 digits (a fixed permutation), never trained on.
 """
 
