@@ -33,7 +33,7 @@ class PositionError(ValueError):
     """The image tokens of a prompt do not match ``image_grid_thw``, or positions are mis-shaped."""
 
 
-def _image_runs(is_image: np.ndarray) -> list[tuple[int, int]]:
+def image_runs(is_image: np.ndarray) -> list[tuple[int, int]]:
     """[n] bool -> [(start, end)] of each maximal run of True (HF groups tokens by modality the
     same way, so two images with no token between them would read as one)."""
     edges = np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]]))
@@ -99,7 +99,7 @@ def rope_index(
     grids = _check_grids(image_grid_thw, m)
 
     rows = [ids[b][mask[b]] for b in range(B)]
-    runs = [_image_runs(row == image_token_id) for row in rows]
+    runs = [image_runs(row == image_token_id) for row in rows]
     # Count before numbering so the error states both totals (HF raises StopIteration on too few
     # grids and silently ignores extra ones).
     n_runs = sum(len(r) for r in runs)

@@ -30,7 +30,7 @@ from .engine import ImagePrompt
 from .images import ImageError, PixelBatch, image_token_counts, preprocess
 from .loaded import LoadedModel
 from .models.layers import PlacedEmbeddings
-from .models.mrope import rope_index
+from .models.mrope import image_runs, rope_index
 from .models.vision import encode_images, pad_patches, patch_bucket, vision_layout
 
 
@@ -70,7 +70,7 @@ def expand_placeholders(model: LoadedModel, rows: Sequence[Sequence[int]], image
     image_id = model.config.image_token_id
     out = []
     for i, (ids, row_images) in enumerate(zip(rows, images)):
-        runs = _runs(np.asarray(ids) == image_id)
+        runs = image_runs(np.asarray(ids) == image_id)
         if len(runs) != len(row_images):
             raise ImageError(f"prompt {i} has {len(runs)} image placeholder(s) (token {image_id}) and {len(row_images)} image(s): "
                              "give one image per placeholder (a chat message's {'type': 'image', 'image': ...} item writes one)")
@@ -88,12 +88,6 @@ def _check_no_placeholders(model: LoadedModel, rows: list[list[int]]) -> None:
             raise ImageError(f"prompt {i} has image placeholders (token {model.config.image_token_id}) and no images were given")
 
 
-def _runs(is_image: np.ndarray) -> list[tuple[int, int]]:
-    """[n] bool -> [(start, end)] of each maximal run of True."""
-    edges = np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]]))
-    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _tower(params, cfg, pixel_values, arrays):
     """The vision tower, one compile per (config, patch bucket)."""
@@ -107,23 +101,30 @@ def image_prompt(model: LoadedModel, pixels: PixelBatch | None, tokens: np.ndarr
     if pixels is None:
         return None
     cfg = model.config
-    tokens, mask = np.asarray(tokens), np.asarray(mask).astype(bool)
     bucket = patch_bucket(int(pixels.pixel_values.shape[0]), cfg.vision.merge_unit)
     layout = vision_layout(pixels.grid_thw, cfg.vision, bucket)
     features = _tower(model.vision, cfg.vision, jnp.asarray(pad_patches(pixels.pixel_values, cfg.vision, bucket)),
                       jax.tree_util.tree_map(jnp.asarray, layout.arrays))
-    is_image = (tokens == cfg.image_token_id) & mask
-    if int(is_image.sum()) != layout.n_tokens:
-        raise ImageError(f"the prompts hold {int(is_image.sum())} image tokens and the images give {layout.n_tokens} features")
-    slots = np.where(is_image, np.cumsum(is_image.reshape(-1)).reshape(is_image.shape) - 1, -1).astype(np.int32)
-    positions, deltas = rope_index(tokens, mask, pixels.grid_thw, image_token_id=cfg.image_token_id,
-                                   spatial_merge_size=cfg.vision.spatial_merge_size)
-    next_position = mask.sum(axis=1) + deltas
+    slots, positions, next_position = placeholder_layout(cfg, tokens, mask, pixels.grid_thw)
+    if int((slots >= 0).sum()) != layout.n_tokens:
+        raise ImageError(f"the prompts hold {int((slots >= 0).sum())} image tokens and the images give {layout.n_tokens} features")
     return ImagePrompt(
         PlacedEmbeddings(features.astype(jnp.dtype(model.dtype)), jnp.asarray(slots)),
         jnp.asarray(positions, jnp.int32),
         jnp.asarray(next_position, jnp.int32),
     )
+
+
+def placeholder_layout(cfg, tokens: np.ndarray, mask: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host-side, for a padded batch (tokens, mask [B, T], placeholders expanded) and its images'
+    grids -> (slots [B, T] int32: the image feature each placeholder takes, in row order, −1
+    elsewhere; M-RoPE positions [3, B, T]; each row's next position [B])."""
+    tokens, mask = np.asarray(tokens), np.asarray(mask).astype(bool)
+    is_image = (tokens == cfg.image_token_id) & mask
+    slots = np.where(is_image, np.cumsum(is_image.reshape(-1)).reshape(is_image.shape) - 1, -1).astype(np.int32)
+    positions, deltas = rope_index(tokens, mask, grid_thw, image_token_id=cfg.image_token_id,
+                                   spatial_merge_size=cfg.vision.spatial_merge_size)
+    return slots, positions, mask.sum(axis=1) + deltas
 
 
 def split_images(prompt: Any) -> tuple[Any, list[Any]]:

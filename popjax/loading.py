@@ -331,8 +331,11 @@ def place_model(
     model = nnx.merge(graphdef, state)
     model.finalize()
     graphdef, state = nnx.split(model)
-    vision, image_processor = None, (image_processor or ImageProcessorConfig()) if cfg.vision is not None else None
-    if cfg.vision is not None:  # the tower's tensors keep their HF names below "vision."
+    vision = None
+    if cfg.vision is None:
+        image_processor = None
+    else:  # the tower's tensors keep their HF names below "vision."
+        image_processor = image_processor or ImageProcessorConfig()
         if "vision" not in tree:
             raise CheckpointError(f"{source} is a {cfg.model_type} model and its checkpoint has no vision tower tensors")
         flat = dict(_flatten(tree["vision"], "vision."))

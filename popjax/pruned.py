@@ -37,11 +37,13 @@ import numpy as np
 from flax import nnx
 
 from .calibration import Corpus
+from .convert.convert import unflatten
 from .convert.fused import dequantize_tree
 from .convert.store import write_converted
 from .loading import build_model
 from .loaded import LoadedModel
 from .models.layers import split_qkv
+from .models.vision_config import vision_tensors_to_hf
 from .methods.base import MethodError
 from .methods.wanda_sp import CalibratedPruning, ChannelSelection
 
@@ -56,7 +58,8 @@ def _numpy(tree: Any) -> Any:
 
 def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
     """The model's parameters as a converted-checkpoint tree (numpy, str keys, HF layout with q/k/v
-    and gate/up apart, derived constants dropped): the inverse of `convert.fused.fuse_checkpoint`."""
+    and gate/up apart, derived constants dropped; a VLM's vision tower included): the inverse of
+    `convert.fused.fuse_checkpoint`."""
     cfg = model.config
     pure = dequantize_tree(_numpy(nnx.to_pure_dict(model.params)))  # an int8 model: q · s (re-quantized when fused)
     tree = {k: v for k, v in pure.items() if k != "layers"}
@@ -71,6 +74,8 @@ def checkpoint_tree(model: LoadedModel) -> dict[str, Any]:
         if "down_bias" in mlp:
             out_mlp["down_bias"] = mlp["down_bias"]
         tree["layers"][key] = {**{k: v for k, v in layer.items() if k not in ("attn", "mlp")}, "attn": attn, "mlp": out_mlp}
+    if model.vision is not None:  # a VLM's tower, under its HF names as the converter keeps them
+        tree["vision"] = unflatten(vision_tensors_to_hf(model.vision, cfg.vision))["vision"]
     return tree
 
 

@@ -14,11 +14,9 @@ import pytest
 from PIL import Image
 
 import popjax
-from popjax.convert.convert import unflatten
 from popjax.images import ImageError, preprocess
 from popjax.loading import build_model
 from popjax.models.vision import image_features
-from popjax.models.vision_config import vision_tensors_to_hf
 from popjax.pruned import checkpoint_tree
 
 torch = pytest.importorskip("torch")
@@ -229,8 +227,7 @@ def test_int8_vlm_equals_its_dequantized_twin(tmp_path):
     hf.save_pretrained(tmp_path)
     model = popjax.load(str(tmp_path), cache=False, weights="int8", activations="float")
     float_cfg = dataclasses.replace(model.config, weights="float")
-    tree = {**checkpoint_tree(model), "vision": unflatten(vision_tensors_to_hf(model.vision, model.config.vision))["vision"]}
-    twin = build_model(float_cfg, tree, None, "dequantized", "float32")  # checkpoint_tree: the q · s values
+    twin = build_model(float_cfg, checkpoint_tree(model), None, "dequantized", "float32")  # checkpoint_tree: the q · s values
     rows, images = zip(*CASES["mixed_padded_batch"]())
     np.testing.assert_allclose(ours_logits(model, list(rows), list(images)), ours_logits(twin, list(rows), list(images)), atol=1e-4)
     a, _ = popjax.generate_ids(model, list(rows), 6, images=list(images), method=popjax.POP(0.2), ignore_eos=True)

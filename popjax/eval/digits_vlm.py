@@ -26,20 +26,21 @@ import numpy as np
 import optax
 from flax import nnx
 from PIL import Image
+from tqdm.auto import tqdm
 
 from ..cache import get_or_make
 from ..convert.convert import checkpoint_shapes, unflatten
 from ..convert.store import FORMAT_VERSION, write_into
+from ..image_prompts import placeholder_layout
 from ..images import PixelBatch, preprocess
 from ..loaded import LoadedModel
 from ..loading import build_model, load
 from ..methods.base import DensePlan
 from ..models.config import ModelConfig
 from ..models.layers import PlacedEmbeddings
-from ..models.mrope import rope_index
 from ..models.vision import encode_images, vision_layout
-from ..models.vision_config import vision_tensors_to_hf
 from ..pruned import checkpoint_tree
+from ..requests import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -164,32 +165,36 @@ class Batch:
     targets: np.ndarray  # [B, T] next token, -1 where not scored
 
 
-def _examples(model: LoadedModel, images, labels, rng) -> tuple[Batch, PixelBatch]:
-    """Conversations with their answers -> one teacher-forcing batch (the answer word and the
-    end-of-turn scored)."""
-    tok, cfg = model.tokenizer, model.config
-    rows, answer_starts = [], []
-    for image, label in zip(images, labels):
-        index = int(rng.integers(len(QUESTIONS)))
+def question_prompts(model: LoadedModel) -> list[list[int]]:
+    """Each question's prompt ids through the chat template, the image's placeholder expanded to
+    the 4 tokens of a 56 × 56 digit (its 4 × 4 patch grid merged 2 × 2)."""
+    tok, image_id = model.tokenizer, model.config.image_token_id
+    out = []
+    for index in range(len(QUESTIONS)):
         ids = tok.apply_chat_template(question(None, index), add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        at = ids.index(cfg.image_token_id)
-        ids = ids[:at] + [cfg.image_token_id] * 4 + ids[at + 1:]  # the 4 × 4 grid merges into 4 tokens
-        answer_starts.append(len(ids))
-        rows.append(ids + tok.convert_tokens_to_ids([*ANSWER_PREFIX, DIGIT_WORDS[answer(label, index)], "<|im_end|>"]))
-    T = max(map(len, rows))
-    tokens = np.zeros((len(rows), T), np.int32)
-    mask = np.zeros((len(rows), T), np.int32)
-    targets = np.full((len(rows), T), -1, np.int32)
+        at = ids.index(image_id)
+        out.append(ids[:at] + [image_id] * 4 + ids[at + 1:])
+    return out
+
+
+def _examples(model: LoadedModel, prompts: list[list[int]], pixels: PixelBatch, labels, rng) -> Batch:
+    """The questions' prompts (`question_prompts`), the batch's images (preprocessed) and labels
+    -> one teacher-forcing batch: a random question per image, its answer ("it is <digit>") and
+    the end-of-turn scored."""
+    tok = model.tokenizer
+    rows, answer_starts = [], []
+    for label in labels:
+        index = int(rng.integers(len(QUESTIONS)))
+        answer_starts.append(len(prompts[index]))
+        rows.append(prompts[index] + tok.convert_tokens_to_ids([*ANSWER_PREFIX, DIGIT_WORDS[answer(label, index)], "<|im_end|>"]))
+    tokens, mask = pad_batch(rows, 0, length=max(map(len, rows)))
+    targets = np.full(tokens.shape, -1, np.int32)
+    T = tokens.shape[1]
     for b, (ids, start) in enumerate(zip(rows, answer_starts)):
-        pad = T - len(ids)
-        tokens[b, pad:], mask[b, pad:] = ids, 1
-        targets[b, pad + start - 1: T - 1] = ids[start:]
-    pixels = preprocess(list(images), model.image_processor)
-    positions, _ = rope_index(tokens, mask, pixels.grid_thw, image_token_id=cfg.image_token_id, spatial_merge_size=2)
-    is_image = (tokens == cfg.image_token_id) & mask.astype(bool)
-    slots = np.where(is_image, np.cumsum(is_image.reshape(-1)).reshape(is_image.shape) - 1, -1).astype(np.int32)
-    return Batch(tokens, mask, positions.astype(np.int32), slots, targets), pixels
+        targets[b, T - len(ids) + start - 1: T - 1] = ids[start:]
+    slots, positions, _ = placeholder_layout(model.config, tokens, mask, pixels.grid_thw)
+    return Batch(tokens, mask, positions.astype(np.int32), slots, targets)
 
 
 def train(recipe: Recipe = Recipe()) -> LoadedModel:
@@ -226,23 +231,20 @@ def train(recipe: Recipe = Recipe()) -> LoadedModel:
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
-    from tqdm.auto import tqdm  # progress of the one long job
-
+    prompts = question_prompts(model)  # the chat template and the image preprocessing run once, not per step
+    pixels = preprocess(images, model.image_processor)
+    patches = pixels.pixel_values.reshape(len(images), -1, pixels.pixel_values.shape[-1])  # 16 patches per digit
     bar = tqdm(range(recipe.steps), desc="training the digits VLM", unit="step")
     for _ in bar:
         pick = rng.choice(len(images), recipe.batch, replace=False)
-        batch, pixels = _examples(model, [images[i] for i in pick], labels[pick], rng)
+        chosen = PixelBatch(patches[pick].reshape(-1, patches.shape[-1]), pixels.grid_thw[pick])
+        batch = _examples(model, prompts, chosen, labels[pick], rng)
         trainable, opt_state, loss = step(trainable, opt_state, jax.tree_util.tree_map(jnp.asarray, batch),
-                                          jnp.asarray(pixels.pixel_values))
+                                          jnp.asarray(chosen.pixel_values))
         bar.set_postfix(loss=f"{float(loss):.3f}")
     state, vision = trainable
-    return build_model(cfg, {**checkpoint_tree(dataclasses.replace(model, params=state)), "vision": _vision_tree(vision, cfg)},
-                       model.tokenizer, "digits-vlm", "float32", image_processor=model.image_processor)
-
-
-def _vision_tree(vision: dict, cfg: ModelConfig) -> dict[str, Any]:
-    """The tower's params -> its HF-named tensors, nested as the converted layout keeps them."""
-    return unflatten(vision_tensors_to_hf(vision, cfg.vision))["vision"]
+    trained = dataclasses.replace(model, params=state, vision=vision)  # derived constants are recomputed on the rebuild
+    return build_model(cfg, checkpoint_tree(trained), model.tokenizer, "digits-vlm", "float32", image_processor=model.image_processor)
 
 
 def digits_vlm(recipe: Recipe = Recipe(), cache: bool = True) -> LoadedModel:
@@ -253,8 +255,7 @@ def digits_vlm(recipe: Recipe = Recipe(), cache: bool = True) -> LoadedModel:
 
     def make(directory: Path) -> None:
         trained = train(recipe)
-        tree = {**checkpoint_tree(trained), "vision": _vision_tree(trained.vision, trained.config)}
-        write_into(directory, trained.config, tree, lambda target: trained.tokenizer.save_pretrained(str(target)) or True,
+        write_into(directory, trained.config, checkpoint_tree(trained), lambda target: trained.tokenizer.save_pretrained(str(target)) or True,
                    {"source": "digits-vlm", "kind": "trained", "dtype": "float32", "weights": "float"})
 
     key = {"format": FORMAT_VERSION, "source": "popjax digits VLM", **dataclasses.asdict(recipe), "vocabulary": vocabulary(),
