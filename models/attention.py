@@ -174,8 +174,12 @@ def cached_attention(
         scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
-    n_blocks = (write_index + T + bs - 1) // bs
-    carry = jax.lax.fori_loop(0, n_blocks, key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h))
+    carry = init_softmax_carry(B, n_kv, n_q // n_kv, T, h)
+    if S == bs:  # one block: no loop, whose per-layer overhead is most of a short cache's attention
+        carry = key_block(jnp.int32(0), carry)
+    else:
+        n_blocks = (write_index + T + bs - 1) // bs
+        carry = jax.lax.fori_loop(0, n_blocks, key_block, carry)
     return finish_softmax(carry, v_cache.dtype).reshape(B, T, n_q, h)
 
 

@@ -12,6 +12,7 @@ import popjax
 from popjax import engine
 from popjax.eval.teacher import teacher_forced
 from popjax.requests import pad_batch
+from popjax.sampling import first_argmax
 from popjax.models.attention import KV_BLOCK, PREFILL_BLOCK, cache_slots, cached_attention, causal_attention
 from tests.conftest import random_prompts
 
@@ -58,10 +59,12 @@ def test_flash_prefill_equals_full_softmax_with_left_padding():
     np.testing.assert_allclose(got[rows], want[rows], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("write_index", [5, KV_BLOCK - 1, KV_BLOCK + 37, 3 * KV_BLOCK - 2])
-def test_cached_attention_reads_only_written_blocks_and_equals_full_softmax(write_index):
+@pytest.mark.parametrize("write_index,S", [(5, 3 * KV_BLOCK), (KV_BLOCK - 1, 3 * KV_BLOCK), (KV_BLOCK + 37, 3 * KV_BLOCK),
+                                           (3 * KV_BLOCK - 2, 3 * KV_BLOCK), (5, 96), (94, 96)])
+def test_cached_attention_reads_only_written_blocks_and_equals_full_softmax(write_index, S):
+    """Several blocks (a loop over the written ones) and one short block (no loop)."""
     rng = np.random.default_rng(write_index)
-    S, T = 3 * KV_BLOCK, 2
+    T = 2
     q, k, v = _random_qkv(rng, 2, T, S)
     key_valid = np.ones((2, S), bool)
     key_valid[0, :3] = False  # left padding of the prompt
@@ -146,3 +149,14 @@ def test_teacher_forcing_pads_the_batch_bucket(tiny_model):
     targets = np.asarray(random_prompts(rng, [4, 4, 4], tiny_model.config.vocab_size))
     nll, _ = teacher_forced(tiny_model, popjax.Dense(), prompts, targets)
     assert nll.shape == (3, 4) and np.isfinite(nll).all()
+
+
+def test_first_argmax_is_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 49152)).astype(np.float32)
+    logits[1, [7, 300, 40000]] = 9.0  # ties: the first wins
+    logits[2] = -np.inf
+    logits[3, 123] = np.inf
+    logits[4, [5, 77]] = np.nan  # the first NaN, as jnp.argmax
+    logits[5] = 0.0
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(logits))), np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
