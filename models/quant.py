@@ -8,8 +8,8 @@ scale travels with it when a method copies or gathers channels) and an input col
 (whose scales, one per output row d, do not depend on which channels are kept). How the dot
 reads the other operand is the weight's ``activations`` (`dot`): weight-only, where XLA fuses the
 int8→float convert into the matmul (GPU, TPU), or per-token int8 activations and an integer dot,
-the fast form on XLA:CPU, which writes a float copy of a converted weight instead of fusing it
-(docs/performance.md, "int8 weights").
+the fast form on XLA:CPU, whose fused weight-only dots run slower than fp32's at a decode step's
+shapes (docs/performance.md, "int8 weights").
 
 `Int8Weight` is a pytree (it traces, vmaps, scans and shards as its two arrays) with the few
 array operations the methods apply to weights (indexing, take, transpose, reshape); `dot` is the
@@ -178,9 +178,9 @@ def dot(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     ``activations`` say:
 
     * "float" (weight-only): the int8 values converted to x's dtype. Exact up to rounding to the
-      float model of the dequantized weights. Where XLA fuses the convert into the dot (GPU, TPU)
-      a step reads one byte per weight; XLA:CPU instead writes a float copy of every weight
-      first (docs/performance.md, "int8 weights").
+      float model of the dequantized weights. XLA fuses the convert into the dot, so a step reads
+      one byte per weight (on XLA:CPU only in `_converted_dot`'s form, and there slower than
+      fp32 below the LM head's size: docs/performance.md, "int8 weights").
     * "int8" (dynamic activations, as PyTorch's dynamic quantization and llama.cpp's CPU kernels
       do): each row of x (one token: its contracted last axis) is quantized to int8 with its own
       scale, the dot runs int8 × int8 → int32 and both scales multiply its output. XLA:CPU runs
@@ -212,8 +212,8 @@ def _converted_dot(spec: str, x: jax.Array, values: jax.Array, **kwargs) -> jax.
     """``einsum(spec, x, values → x's dtype)``. A linear layer (x's last axis contracted with the
     weight's last, every other weight axis an output) runs as ``x @ W.T`` on the weight viewed
     as [M, k]: XLA:CPU fuses that convert and transpose into a loop dot that reads one byte per
-    weight at one row (~3.6× fp32's speed), where a dot_general on the converted weight writes a
-    float copy first (docs/performance.md, "int8 weights")."""
+    weight, where a dot_general on the converted weight writes a float copy first
+    (docs/performance.md, "int8 weights")."""
     inputs, out = spec.replace(" ", "").split("->")
     x_axes, w_axes = inputs.split(",")
     k = x_axes[-1]

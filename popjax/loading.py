@@ -232,8 +232,8 @@ def load(
         format for one.
       activations: how an int8 model's dots read their activations: ``"float"`` (weight-only:
         equal within rounding to the float model of the dequantized weights) or ``"int8"``
-        (per-token dynamic int8 and int8 × int8 dots: the fast form on CPU, where XLA does not
-        fuse an int8→float convert into a dot; docs/performance.md). None: "int8" on CPU,
+        (per-token dynamic int8 and int8 × int8 dots: the fast form on CPU, where XLA's fused
+        weight-only dots run slower than fp32's; docs/performance.md). None: "int8" on CPU,
         "float" on GPU/TPU.
     """
     dtype = default_dtype() if dtype is None else dtype

@@ -1,6 +1,6 @@
 """One int8 dot of each of the default model's weight shapes, in each form popjax can run it,
-streamed from memory as a decode step reads them: 30 distinct weights (2 for the LM head) applied
-in turn inside a jitted ``fori_loop``, so no weight stays in cache. Run alone:
+read as a decode step reads them: 30 distinct weights (2 for the LM head) applied in turn inside
+a jitted ``fori_loop``, so each comes from the shared L3 or memory, not a core's L2. Run alone:
 
     python tools/int8_dot_forms.py --json results/int8/dot_forms.json
 
