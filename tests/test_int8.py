@@ -23,7 +23,7 @@ from popjax.requests import pad_batch
 from popjax.loaded import with_scanned_layers
 from popjax.loading import build_model, place_model
 from popjax.methods import METHODS, POPPlan, make_method
-from popjax.models.quant import Int8Weight, dot, quantize
+from popjax.models.quant import TWO_PASS, Int8Weight, dot, quantize
 from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
 from tests.test_methods_reference import ref_pop_decode, ref_prefill
 
@@ -168,6 +168,36 @@ def test_int8_activation_dot_matches_numpy():
     got = dot("...d,gnd->g...n", jnp.asarray(x), W.reshape(2, 6, 16))
     want = ((xq.astype(np.int64) @ q.T.astype(np.int64)) * sx[:, None] * s[:, 0][None]).reshape(1, 2, 6).transpose(1, 0, 2)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_two_pass_int8_activation_dot_matches_numpy():
+    """The LM head's two passes (`TWO_PASS`): x quantized per row, then what that left quantized
+    per row again, each pass an exact integer dot with its own scale — against NumPy in float64,
+    for one row and several (both passes share one dot); within 1e-3 of float activations."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(0, 0.2, (40, 16)).astype(np.float32)
+    q, s = quantize(w)
+    W = Int8Weight(jnp.asarray(q), jnp.asarray(s), jnp.float32, TWO_PASS)
+    for shape in ((1, 1, 16), (3, 5, 16)):
+        x = rng.normal(size=shape).astype(np.float32)
+        x[0, 0, 5] = 30.0  # an outlier channel, as a final norm's output has
+        rows = x.reshape(-1, 16)
+        xq, sx = ref_quantize(rows)
+        rest_q, rest_s = ref_quantize(rows - xq * sx[:, None].astype(np.float32))
+        integer = lambda a: a.astype(np.int64) @ q.T.astype(np.int64)
+        want = (integer(xq) * sx[:, None] + integer(rest_q) * rest_s[:, None]) * s[:, 0][None]
+        got = np.asarray(dot("btd,vd->btv", jnp.asarray(x), W)).reshape(-1, 40)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        exact = rows.astype(np.float64) @ (q * s).T.astype(np.float64)
+        assert np.abs(got - exact).max() < 1e-3 * np.abs(exact).max()
+
+
+def test_int8_model_head_reads_two_passes(tiny_checkpoints):
+    """An int8-activation model's LM head is the two-pass weight; weight-only models keep "float"."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    for activations, head in (("int8", TWO_PASS), ("float", "float")):
+        model = nnx.merge(*(lambda m: (m.graphdef, m.params))(popjax.load(directory, cache=False, weights="int8", activations=activations)))
+        assert model.lm_head_weight().activations == head
 
 
 def test_int8_activations_model_stays_close(tiny_checkpoints):
