@@ -189,9 +189,10 @@ def dot(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
       keeps XLA off its slow matrix-vector path for integer dots.
     * "int8x2" (`TWO_PASS`, what an "int8" model's LM head uses): x in two int8 passes, its
       per-row quantization and then the quantization of what that left, both rows in one
-      integer dot. Within ~1e-4 of float activations at the cost of one int8 dot at one row
-      (the second pass fills the padding row); one pass loses 0.013 nats of held-out NLL at
-      the default model's head (docs/performance.md, "int8 weights").
+      integer dot. The remainder is at most half a first-pass step, so x's rounding error is
+      ≥ 254× smaller than one pass's, at the cost of one int8 dot at one row (the second pass
+      fills the padding row); one pass loses 0.013 nats of held-out NLL at the default model's
+      head (docs/performance.md, "int8 weights").
     """
     if not isinstance(w, Int8Weight):
         return jnp.einsum(spec, x, w, **kwargs)

@@ -61,8 +61,8 @@ def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def first_argmax(logits: jax.Array) -> jax.Array:
     """``jnp.argmax(logits, axis=-1)`` (the first maximum; the first NaN if any) as two plain
     reductions, a max and a min of the indices that reach it: XLA:CPU vectorises those, where
-    the (value, index) pair reduction of argmax runs as a scalar loop (~10× slower over a
-    49k-token vocabulary, a measurable share of a batch-1 decode step). logits [B, V] -> [B] int32."""
+    it runs argmax's (value, index) pair reduction as a scalar loop (about 130 µs against 30 per
+    decode step over a 49k-token vocabulary, under the profiler). logits [B, V] -> [B] int32."""
     vocab = logits.shape[-1]
     nan = jnp.isnan(logits)
     top = jnp.max(logits, axis=-1, keepdims=True)
