@@ -26,7 +26,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .attention import cached_attention, causal_attention, ring_attention, ring_write
-from .quant import TWO_PASS, Int8Weight, dequantized, dot
+from .quant import Int8Weight, dequantized, dot, two_pass
 from .rope import apply_rope
 
 
@@ -107,10 +107,9 @@ class TokenEmbeddings(LinearWeights):
 
     def lm_head_weight(self) -> jax.Array | Int8Weight:
         """The LM head [V, d]. In a model with int8 activations it reads them in two int8 passes
-        (`models.quant.TWO_PASS`): one pass there costs the default model 0.013 nats of held-out
+        (`models.quant.two_pass`): one pass there costs the default model 0.013 nats of held-out
         NLL, over a third of int8's loss (docs/performance.md, "int8 weights")."""
-        w = self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head")
-        return Int8Weight(w.values, w.scale, w.dtype, TWO_PASS) if isinstance(w, Int8Weight) and w.activations == "int8" else w
+        return two_pass(self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head"))
 
 
 class RMSNorm(nnx.Module):
@@ -176,7 +175,8 @@ class Attention(nnx.Module, LinearWeights):
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]."""
-        y = _grouped_linear(x, self.weight("qkv"), self.qkv_bias[...] if self.cfg.qkv_bias else None)
+        # two int8 passes (int8 activations): q/k/v's one-pass error costs most after the head's
+        y = _grouped_linear(x, two_pass(self.weight("qkv")), self.qkv_bias[...] if self.cfg.qkv_bias else None)
         g = y.shape[3] - 2
         return y[:, :, :, :g].reshape(*x.shape[:2], -1, y.shape[-1]), y[:, :, :, g], y[:, :, :, g + 1]
 
@@ -200,7 +200,7 @@ class Attention(nnx.Module, LinearWeights):
         reproduce another layer stream's keys and values)."""
         cfg = self.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
-        w = self.weight("qkv")[:, g:] if weights is None else weights
+        w = two_pass(self.weight("qkv"))[:, g:] if weights is None else weights
         if cfg.qkv_bias and bias is None:
             bias = self.qkv_bias[...][:, g:]
         kv = _grouped_linear(x, w, bias if cfg.qkv_bias else None)

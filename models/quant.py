@@ -27,7 +27,7 @@ import numpy as np
 
 WEIGHT_FORMATS = ("float", "int8")  # ModelConfig.weights
 ACTIVATION_MODES = ("float", "int8")  # ModelConfig.activations: how an int8 weight's dot reads x
-TWO_PASS = "int8x2"  # an Int8Weight's own mode for the LM head of an "int8" model (`dot`)
+TWO_PASS = "int8x2"  # an Int8Weight's own mode for an "int8" model's LM head and q/k/v (`two_pass`)
 INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never used, so negation is exact
 
 
@@ -187,7 +187,7 @@ def dot(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
       scale, the dot runs int8 × int8 → int32 and both scales multiply its output. XLA:CPU runs
       that dot without any float copy of the weights. A single row is padded to two, which
       keeps XLA off its slow matrix-vector path for integer dots.
-    * "int8x2" (`TWO_PASS`, what an "int8" model's LM head uses): x in two int8 passes, its
+    * "int8x2" (`TWO_PASS`, what an "int8" model's LM head and q/k/v use): x in two int8 passes, its
       per-row quantization and then the quantization of what that left, both rows in one
       integer dot. The remainder is at most half a first-pass step, so x's rounding error is
       ≥ 254× smaller than one pass's, at the cost of one int8 dot at one row (the second pass
@@ -290,6 +290,12 @@ def _int8_activation_dot(spec: str, x: jax.Array, w: Int8Weight, passes: int = 1
     if passes == 1:
         return rows[0], x_scale
     return sum(r * _out_layout(s, x_axes[:-1], out, y.ndim) for r, s in zip(rows, scales)), None
+
+
+def two_pass(w: Any) -> Any:
+    """``w`` read in two int8 passes (`TWO_PASS`) if it is an int8-activation weight, else as is:
+    for the dots whose one-pass activation error costs most (the LM head, q/k/v)."""
+    return Int8Weight(w.values, w.scale, w.dtype, TWO_PASS) if isinstance(w, Int8Weight) and w.activations == "int8" else w
 
 
 def dequantized(w: Any) -> Any:

@@ -192,12 +192,23 @@ def test_two_pass_int8_activation_dot_matches_numpy():
         assert np.abs(got - exact).max() < 1e-3 * np.abs(exact).max()
 
 
-def test_int8_model_head_reads_two_passes(tiny_checkpoints):
-    """An int8-activation model's LM head is the two-pass weight; weight-only models keep "float"."""
+def test_int8_model_head_and_qkv_read_two_passes(tiny_checkpoints, monkeypatch):
+    """An int8-activation model's LM head and q/k/v dots get the two-pass weight, its o dot one
+    pass; weight-only models keep "float" everywhere."""
+    from popjax.models import layers
+
     directory, _ = tiny_checkpoints("llama-gqa")
-    for activations, head in (("int8", TWO_PASS), ("float", "float")):
-        model = nnx.merge(*(lambda m: (m.graphdef, m.params))(popjax.load(directory, cache=False, weights="int8", activations=activations)))
-        assert model.lm_head_weight().activations == head
+    for activations, two, one in (("int8", TWO_PASS, "int8"), ("float", "float", "float")):
+        loaded = popjax.load(directory, cache=False, weights="int8", activations=activations)
+        seen = {"qkv": set(), "linear": set()}
+        grouped, linear = layers._grouped_linear, layers.linear
+        monkeypatch.setattr(layers, "_grouped_linear", lambda x, w, b: (seen["qkv"].add(w.activations), grouped(x, w, b))[1])
+        monkeypatch.setattr(layers, "linear", lambda x, w, *a: (seen["linear"].add(w.activations), linear(x, w, *a))[1])
+        popjax.forward(loaded, [[5, 17, 3]])
+        monkeypatch.undo()
+        model = nnx.merge(loaded.graphdef, loaded.params)
+        assert model.lm_head_weight().activations == two
+        assert seen == {"qkv": {two}, "linear": {one, two}}  # `linear` runs q/k/v's dot too
 
 
 def test_int8_activations_model_stays_close(tiny_checkpoints):
