@@ -149,6 +149,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
     return jnp.moveaxis(blocks, 0, 1).reshape(B, T, n_q, h)
 
 
+def attend_blocks(key_block, carry, n_blocks, blocks: int):
+    """``key_block(j, carry)`` over the first ``n_blocks`` (traced) of a cache's ``blocks``
+    (static) key blocks. A one-block cache runs its block without a loop, whose per-layer
+    overhead is most of a short cache's attention; were that block not yet written, it is all
+    masked, and the always-unmasked fresh tokens' block rescales it away."""
+    if blocks == 1:
+        return key_block(jnp.int32(0), carry)
+    return jax.lax.fori_loop(0, n_blocks, key_block, carry)
+
+
 def cached_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, key_valid: jax.Array, write_index: jax.Array,
     scale: float | None = None,
@@ -174,12 +184,7 @@ def cached_attention(
         scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
-    carry = init_softmax_carry(B, n_kv, n_q // n_kv, T, h)
-    if S == bs:  # one block: no loop, whose per-layer overhead is most of a short cache's attention
-        carry = key_block(jnp.int32(0), carry)
-    else:
-        n_blocks = (write_index + T + bs - 1) // bs
-        carry = jax.lax.fori_loop(0, n_blocks, key_block, carry)
+    carry = attend_blocks(key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h), (write_index + T + bs - 1) // bs, S // bs)
     return finish_softmax(carry, v_cache.dtype).reshape(B, T, n_q, h)
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import (KV_BLOCK, MASKED, attention_scores, finish_softmax, group_queries, init_softmax_carry,
+from .attention import (KV_BLOCK, MASKED, attend_blocks, attention_scores, finish_softmax, group_queries, init_softmax_carry,
                         online_softmax_update, ring_attention, ring_write)
 from .config import ModelConfig
 from .decoder import DecoderLayer
@@ -110,11 +110,7 @@ def layer_cached_attention(q, k, v, cache: KVCache, layer, key_valid, write_inde
         scores = jnp.where(mask[:, None, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
-    carry = init_softmax_carry(B, n_kv, n_q // n_kv, T, h)
-    if S == bs:  # one block: no loop (a block with no earlier slot is all masked, and the fresh
-        carry = key_block(jnp.int32(0), carry)  # block below, always unmasked, rescales it away)
-    else:
-        carry = jax.lax.fori_loop(0, (write_index + bs - 1) // bs, key_block, carry)
+    carry = attend_blocks(key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h), (write_index + bs - 1) // bs, S // bs)
     fresh_valid = jax.lax.dynamic_slice_in_dim(key_valid, write_index, T, axis=1)  # [B, T]
     causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T query, T key]
     mask = fresh_valid[:, None, :] & causal[None]  # [B, T, T]

@@ -23,6 +23,7 @@ from popjax.requests import pad_batch
 from popjax.loaded import with_scanned_layers
 from popjax.loading import build_model, place_model
 from popjax.methods import METHODS, POPPlan, make_method
+from popjax.models import layers
 from popjax.models.quant import TWO_PASS, Int8Weight, dot, quantize
 from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
 from tests.test_methods_reference import ref_pop_decode, ref_prefill
@@ -195,8 +196,6 @@ def test_two_pass_int8_activation_dot_matches_numpy():
 def test_int8_model_head_and_qkv_read_two_passes(tiny_checkpoints, monkeypatch):
     """An int8-activation model's LM head and q/k/v dots get the two-pass weight, its o dot one
     pass; weight-only models keep "float" everywhere."""
-    from popjax.models import layers
-
     directory, _ = tiny_checkpoints("llama-gqa")
     for activations, two, one in (("int8", TWO_PASS, "int8"), ("float", "float", "float")):
         loaded = popjax.load(directory, cache=False, weights="int8", activations=activations)
