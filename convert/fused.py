@@ -20,9 +20,9 @@ import numpy as np
 from ..models.config import ModelConfig
 from ..models.layers import fuse_qkv
 from ..models.moe import fuse_layer as fuse_moe_layer
-from ..models.quant import quantize
+from ..kernels.int8 import quantize
 
-# The linear layers an int8 model stores as int8 with per-output-channel scales (models/quant.py):
+# The linear layers an int8 model stores as int8 with per-output-channel scales (popjax/kernels/int8.py):
 # attention q/k/v and o, the FFN's gate/up and down (a MoE model's expert blocks too), and the
 # token embedding / LM head (a scale per token row). Norms, biases and the router stay float.
 INT8_LINEARS = ("qkv", "o", "gate_up", "down")
@@ -56,7 +56,7 @@ def fuse_checkpoint(cfg: ModelConfig, tree: dict[str, Any]) -> dict[str, Any]:
 
 def quantize_linears(tree: dict[str, Any]) -> dict[str, Any]:
     """A fused tree -> the same tree with every `INT8_LINEARS` weight of its layers as int8
-    ``name`` plus fp32 ``name_scale`` [..., 1] (`models.quant.quantize`, from the float values)."""
+    ``name`` plus fp32 ``name_scale`` [..., 1] (`kernels.int8.quantize`, from the float values)."""
 
     def walk(node: dict[str, Any]) -> dict[str, Any]:
         out = {}

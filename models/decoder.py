@@ -1,47 +1,43 @@
-"""The decoder shared by LLaMA, Qwen2 and Qwen3 (switches live in `ModelConfig`).
+"""The decoder shared by every family (LLaMA, Qwen2/3, their MoE variants, Gemma 3, Qwen2-VL's
+text model): switches live in `ModelConfig`.
 
-The MLP of every layer is evaluated by a caller-supplied pure function
-``mlp_fn(weights, state, x) -> (y, state, aux)`` (the dense MLP or anything that replaces it),
-and a per-layer ``LayerSchedule`` says what each layer does in one call. The model knows no
-pruning: it has no branch for any particular use of these two arguments.
+    model(inputs, *, cache, ffn, layers=None, last_only=False) -> ModelOutput   (models/interface.py)
+
+Every layer's FFN runs the caller's function (``ffn.fn``: the dense MLP, or whatever a pruning
+method runs instead) on `FFNWeights`; what a method does to whole layers arrives as one
+`LayerControl`. The model knows no pruning: it has no branch for any particular method.
+``DecoderLayer`` is the one layer body: this unrolled model runs it over its L layers, and the
+scanned model (models/scan.py) runs the very same body in a ``lax.scan`` over stacked parameters.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..kernels.attention import cache_reader, cached_attention, ring_from_prompt, ring_slots, ring_write
 from .config import ModelConfig
-from .attention import ring_from_prompt, ring_slots
-from .layers import Attention, KVCache, MLPWeights, PlacedEmbeddings, RMSNorm, TokenEmbeddings
+from .interface import CacheView, FFNFn, FFNHook, LayerControl, ModelInputs, ModelOutput
+from .layers import Attention, KVCache, MLPWeights, RMSNorm, TokenEmbeddings
 from .moe import MoEWeights, moe_mlp
-from .quant import dot
+from ..kernels.int8 import dot
 from .rope import check_rope_type, layer_rope
 
-MLPFn = Callable[[dict[str, jax.Array], Any, jax.Array], tuple[jax.Array, Any, Any]]
-LAYER_MODES = ("full", "kv", "none")
 
+def cache_attention(cache: KVCache, key_valid: jax.Array, write_index, window, ring: bool, at: tuple = ()) -> Callable:
+    """The attention of T fresh tokens over a cache k, v [..., B, S, n_kv, h] (``at``: the
+    leading indices of a stacked cache) as `Attention` calls it: ``(q, k, v, scale) -> out``,
+    around the one decode kernel `kernels.attention.cached_attention`."""
+    slots = cache.k.shape[len(at) + 1]
 
-@dataclasses.dataclass(frozen=True)
-class LayerSchedule:
-    """What each layer does in one call of the model (static, hashable: part of a jit key).
+    def attend(q, k, v, scale):
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        return cached_attention(q, k, v, cache_reader(cache.k, cache.v, at), slots, key_valid, write_index, window, scale, ring)
 
-    ``modes[i]``: "full" (the layer runs), "kv" (it only writes keys/values projected from its
-    input; the residual stream passes through) or "none" (it passes the stream through and writes
-    zero keys/values). ``prefix_masked``: layers whose attention ignores the cache slots before
-    ``prefix_end`` in later calls (the slots a "none" layer never wrote)."""
-
-    modes: tuple[str, ...]
-    prefix_masked: frozenset[int] = frozenset()
-
-    def __post_init__(self):
-        bad = sorted({m for m in self.modes if m not in LAYER_MODES})
-        if bad:
-            raise ValueError(f"layer modes {bad} are not among {LAYER_MODES}")
+    return attend
 
 
 class DecoderLayer(nnx.Module):
@@ -56,40 +52,44 @@ class DecoderLayer(nnx.Module):
         # a MoE model's FFN is a stack of expert blocks (models/moe.py), each run by mlp_fn
         self.mlp = MoEWeights(cfg, dtype, index) if cfg.moe is not None else MLPWeights(cfg, dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache, write_index, mlp_fn: MLPFn, mlp_state, gate=None, index=0,
-                 window: Any = "layer"):
-        """x [B, T, d] -> (x [B, T, d], KVCache, mlp_state, aux). cos/sin [B, T, h] are the angles of
-        this layer's kind (`rope.rope_cos_sin(cfg, positions, cfg.layer_type(index))`).
+    def __call__(self, x, cos, sin, key_valid, attend_cache, fn: FFNFn, state, valid, index=0, window: Any = "layer",
+                 gate=None):
+        """x [B, T, d] -> (x [B, T, d], the T tokens' fresh KVCache [B, T, n_kv, h], state, aux).
+        cos/sin [B, T, h] are the angles of this layer's kind; ``attend_cache`` None (prefill) or
+        the attention over the cache (`cache_attention`); ``fn``/``state``/``valid`` the FFN
+        hook's function, this layer's state and the valid tokens [B, T].
 
-        ``gate`` [B, T] (optional) scales both residual branches, ``x + g·Attn(x)`` and
-        ``y + g·FFN(y)`` (a virtual layer gate: its gradient measures the layer's importance). ``index`` (the layer's
-        position) reaches the MLP function as ``weights["layer"]``, so methods with per-layer
-        calibrated constants can index them. ``window``: the sliding window, by default the one
-        ``cfg`` gives layer ``index`` (a scanned model, whose index is traced, passes its own)."""
+        ``index`` (the layer's position; traced in a scanned model) reaches the FFN function as
+        ``FFNWeights.layer``. ``window``: the sliding window, by default the one ``cfg`` gives
+        layer ``index`` (a scanned model, whose index is traced, passes its own). ``gate`` [B, T]
+        (optional) scales both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``."""
         window = self.cfg.window(index) if isinstance(window, str) else window
-        attn_out, cache = self.attn(self.attn_norm(x), cos, sin, key_valid, cache, write_index, window)
+        attn_out, fresh = self.attn(self.attn_norm(x), cos, sin, key_valid, attend_cache, window)
         if self.cfg.sandwich_norms:
             attn_out = self.attn_post_norm(attn_out)
         if gate is not None:
             attn_out = attn_out * gate[..., None].astype(attn_out.dtype)
         x = x + attn_out
-        y, mlp_state, aux = self.feed_forward(x, mlp_fn, mlp_state, index)
+        y, state, aux = self.feed_forward(x, fn, state, valid, index)
         if gate is not None:
             y = y * gate[..., None].astype(y.dtype)
-        return x + y, cache, mlp_state, aux
+        return x + y, fresh, state, aux
 
-    def feed_forward(self, x, mlp_fn: MLPFn, mlp_state, index=0):
-        """The FFN branch on the residual stream x [B, T, d] -> (y [B, T, d] in x's dtype, mlp_state,
-        aux); the caller adds y to x (shared with models.scan's layer body)."""
+    def feed_forward(self, x, fn: FFNFn, state, valid, index=0):
+        """The FFN branch on the residual stream x [B, T, d] -> (y [B, T, d] in x's dtype, state,
+        aux); the caller adds y to x. A structurally pruned checkpoint's ``down_bias`` is added
+        here, whatever the method."""
         h = self.mlp_norm(x)
+        layer = jnp.asarray(index, jnp.int32)
         if isinstance(self.mlp, MoEWeights):
-            y, mlp_state, aux = moe_mlp(self.mlp, mlp_fn, mlp_state, h, jnp.asarray(index, jnp.int32))
+            y, state, aux = moe_mlp(self.mlp, fn, state, h, valid, layer)
         else:
-            weights = {**self.mlp.as_dict(), "layer": jnp.asarray(index, jnp.int32)}
-            y, mlp_state, aux = mlp_fn(weights, mlp_state, h)
+            y, state, aux = fn(self.mlp.ffn_weights(layer), state, h, valid)
+            if hasattr(self.mlp, "down_bias"):
+                y = y + self.mlp.down_bias[...]
         if self.cfg.sandwich_norms:
             y = self.mlp_post_norm(y.astype(x.dtype))
-        return y.astype(x.dtype), mlp_state, aux
+        return y.astype(x.dtype), state, aux
 
 
 class Transformer(nnx.Module, TokenEmbeddings):
@@ -133,66 +133,57 @@ class Transformer(nnx.Module, TokenEmbeddings):
             out.append(KVCache(grow(cache.k), grow(cache.v)))
         return tuple(out)
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        key_valid: jax.Array,
-        mlp_fn: MLPFn,
-        mlp_states: Sequence[Any] | None,
-        caches: Sequence[KVCache] | None = None,
-        write_index: jax.Array | int = 0,
-        last_only: bool = False,
-        gates: jax.Array | None = None,
-        schedule: LayerSchedule | None = None,
-        kv_weights: Mapping[int, tuple[jax.Array, jax.Array | None]] | None = None,
-        prefix_end: jax.Array | int = 0,
-        placed: PlacedEmbeddings | None = None,
-    ) -> tuple[jax.Array, tuple[KVCache, ...], tuple[Any, ...], list[Any]]:
-        """tokens, positions [B, T]; key_valid [B, S] -> logits [B, T or 1, V], caches, states (tuples
-        over layers), aux (a list over layers). ``mlp_states`` None: no layer has a state yet.
+    def __call__(self, inputs: ModelInputs, *, cache: CacheView, ffn: FFNHook, layers: LayerControl | None = None,
+                 last_only: bool = False) -> ModelOutput:
+        """inputs: tokens, positions [B, T] -> `ModelOutput`: logits [B, T or 1, V], caches and
+        FFN states (tuples over layers), aux (a list over layers).
 
-        With ``caches=None`` the T tokens attend to each other (prefill); the returned caches are
-        their fresh keys/values [B, T, n_kv, h]. Otherwise they are written at ``write_index``.
-        ``mlp_fn`` is one function for every layer or a sequence of one per layer.
-        ``gates`` [L, B, T] (optional) scale both residual branches of each layer (see DecoderLayer).
-
-        ``schedule`` (static, `LayerSchedule`) says what each layer does in this call: "full"
-        (default), "kv" (the layer only writes keys/values projected from its input and passes
-        the residual stream through) or "none" (passes it through and writes zero keys/values);
-        its ``prefix_masked`` layers ignore cache slots before ``prefix_end``. ``kv_weights``
-        (traced, optional) maps a "kv" layer to the projection it uses instead of its own k/v
-        rows: (w [n_kv, 2, h, d], bias [n_kv, 2, h] or None), in qkv's grouped layout.
-        ``placed`` (optional) puts embeddings at some token slots (a VLM's image features);
-        ``positions`` may then be M-RoPE's [3, B, T] (models/mrope.py).
-        """
-        x = self.embed_inputs(tokens, placed)
-        rope = layer_rope(self.cfg, positions)
+        With ``cache.caches`` None the T tokens attend to each other (prefill) and the returned
+        caches are their fresh keys/values [B, T, n_kv, h]; otherwise each layer's are written at
+        ``cache.write_index`` (a sliding layer's ring at that index mod its slots). ``layers``
+        (`LayerControl`) says what each layer does in this call: "full", "kv" (only project keys/
+        values, with its own rows or the control's ``kv_weights``) or "none"; its
+        ``prefix_masked`` layers ignore cache slots before ``prefix_end``; its ``gates`` scale
+        both residual branches of each layer. ``inputs.placed`` (optional) puts embeddings at
+        some token slots (a VLM's image features); positions may then be M-RoPE's [3, B, T]."""
+        control = LayerControl() if layers is None else layers
+        x = self.embed_inputs(inputs.tokens, inputs.placed)
+        rope = layer_rope(self.cfg, inputs.positions)
         new_caches, new_states, auxes = [], [], []
         for i, layer in enumerate(self.layers):
-            cache = None if caches is None else caches[i]
             cos, sin = rope[self.cfg.layer_type(i)]
-            mode = "full" if schedule is None else schedule.modes[i]
+            window = self.cfg.window(i)
+            mode = control.mode(i)
             if mode != "full":
-                override = None if kv_weights is None else kv_weights.get(i)
-                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override, self.cfg.window(i)))
+                override = None if control.kv_weights is None else control.kv_weights.get(i)
+                new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override, window))
                 new_states.append(None)
                 auxes.append({})
                 continue
-            layer_valid = key_valid
-            if schedule is not None and i in schedule.prefix_masked:
-                layer_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= prefix_end)[None]
-            fn = mlp_fn[i] if isinstance(mlp_fn, (list, tuple)) else mlp_fn
-            x, cache, state, aux = layer(
-                x, cos, sin, layer_valid, cache, write_index, fn, None if mlp_states is None else mlp_states[i],
-                None if gates is None else gates[i], i,
+            key_valid = cache.key_valid
+            if i in control.prefix_masked:
+                key_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= control.prefix_end)[None]
+            own = None if cache.caches is None else cache.caches[i]
+            attend = None if own is None else cache_attention(own, key_valid, cache.write_index, window, window is not None)
+            x, fresh, state, aux = layer(
+                x, cos, sin, key_valid, attend, ffn.at(i), None if ffn.states is None else ffn.states[i], ffn.valid, i,
+                gate=None if control.gates is None else control.gates[i],
             )
-            new_caches.append(cache)
+            new_caches.append(fresh if own is None else _write(own, fresh, cache.write_index, window is not None))
             new_states.append(state)
             auxes.append(aux)
         if last_only:
             x = x[:, -1:]
-        return self.logits(x), tuple(new_caches), tuple(new_states), auxes
+        return ModelOutput(self.logits(x), tuple(new_caches), tuple(new_states), auxes)
+
+
+def _write(cache: KVCache, fresh: KVCache, write_index, ring: bool) -> KVCache:
+    """A layer's cache with the fresh entries [B, T, n_kv, h] written at ``write_index`` (a ring:
+    at that index mod its slots; in place on a donated cache)."""
+    if ring:
+        return KVCache(ring_write(cache.k, fresh.k, write_index), ring_write(cache.v, fresh.v, write_index))
+    write = lambda a, f: jax.lax.dynamic_update_slice_in_dim(a, f.astype(a.dtype), write_index, axis=1)
+    return KVCache(write(cache.k, fresh.k), write(cache.v, fresh.v))
 
 
 def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, override=None, window=None) -> KVCache:
@@ -210,7 +201,7 @@ def _bypass_cache(layer: DecoderLayer, x: jax.Array, cos, sin, mode: str, overri
     if mode == "none":
         shape = (*x.shape[:2], layer.attn.cfg.num_key_value_heads, layer.attn.cfg.head_dim)
         return KVCache(jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
-    raise ValueError(f"layer mode {mode!r} is not one of {LAYER_MODES}")
+    raise ValueError(f"layer mode {mode!r} is not one of {('full', 'kv', 'none')}")
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Transformer:

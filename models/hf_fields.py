@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from .quant import WEIGHT_FORMATS
+from ..kernels.int8 import WEIGHT_FORMATS
 
 # The FFN gate activations popjax runs (HF ``hidden_act`` / ``hidden_activation`` names): the
 # gated MLP is act(x W_gᵀ) ⊙ x W_uᵀ; every method reads ``ModelConfig.hidden_act``.

@@ -25,8 +25,9 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .attention import cached_attention, causal_attention, ring_attention, ring_write
-from .quant import Int8Weight, dequantized, dot, two_pass
+from .interface import FFNWeights
+from ..kernels.attention import causal_attention
+from ..kernels.int8 import Int8Weight, dequantized, dot, two_pass
 from .rope import apply_rope
 
 
@@ -34,28 +35,33 @@ class Derived(nnx.Variable):
     """A per-model constant computed from the weights (never saved in the checkpoint cache)."""
 
 
-def _param(shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype))
+def _param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter of zeros that declares the logical axes of its dimensions (``axes`` metadata:
+    names such as "embed" or "mlp" that `popjax.sharding`'s one rules table maps to a mesh; the
+    one place a parameter's axes are stated)."""
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
 
 
 def linear(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
-    """x [..., in] with w [out, in] (float or int8, models/quant.py) -> [..., out]."""
+    """x [..., in] with w [out, in] (float or int8, popjax/kernels/int8.py) -> [..., out]."""
     return dot("...i,oi->...o", x, w)
 
 
 class LinearWeights:
     """Linear-layer weights in the model's weight format (``ModelConfig.weights``): a float
     ``nnx.Param``, or for "int8" an int8 ``name`` with its fp32 ``name_scale`` ([..., 1]: one
-    scale per output channel, models/quant.py). `weight` reads either as what `linear` takes."""
+    scale per output channel, popjax/kernels/int8.py). `weight` reads either as what `linear` takes."""
 
-    def _linear_param(self, name: str, shape: tuple[int, ...], dtype: jnp.dtype, weights: str, activations: str = "float") -> None:
+    def _linear_param(self, name: str, shape: tuple[int, ...], dtype: jnp.dtype, weights: str, activations: str,
+                      axes: tuple[str | None, ...]) -> None:
         self.compute_dtype = jnp.dtype(dtype)
-        self.int8_activations = activations  # how `dot` reads x against an int8 weight (models/quant.py)
+        self.int8_activations = activations  # how `dot` reads x against an int8 weight (popjax/kernels/int8.py)
         if weights == "int8":
-            setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.int8)))
-            setattr(self, f"{name}_scale", nnx.Param(jnp.ones((*shape[:-1], 1), jnp.float32)))
+            setattr(self, name, _param(shape, jnp.int8, axes))
+            # one scale per output channel: the weight's axes, none on its (size-1) input axis
+            setattr(self, f"{name}_scale", nnx.Param(jnp.ones((*shape[:-1], 1), jnp.float32), axes=(*axes[:-1], None)))
         else:
-            setattr(self, name, _param(shape, dtype))
+            setattr(self, name, _param(shape, dtype, axes))
 
     def weight(self, name: str) -> jax.Array | Int8Weight:
         """The weight ``name``: an array, or an `Int8Weight` in an int8 model."""
@@ -80,9 +86,9 @@ class TokenEmbeddings(LinearWeights):
     largest matrix a small model's decode step reads, reads one byte per weight."""
 
     def _embedding_params(self, cfg: ModelConfig, dtype: jnp.dtype) -> None:
-        self._linear_param("embed", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations)
+        self._linear_param("embed", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations, ("vocab", "embed"))
         if not cfg.tie_word_embeddings:
-            self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations)
+            self._linear_param("lm_head", (cfg.vocab_size, cfg.hidden_size), dtype, cfg.weights, cfg.activations, ("vocab", "embed"))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> x [B, T, d] in the compute dtype (times √d in a Gemma model, the
@@ -107,7 +113,7 @@ class TokenEmbeddings(LinearWeights):
 
     def lm_head_weight(self) -> jax.Array | Int8Weight:
         """The LM head [V, d]. In a model with int8 activations it reads them in two int8 passes
-        (`models.quant.two_pass`): one pass there costs the default model 0.013 nats of held-out
+        (`kernels.int8.two_pass`): one pass there costs the default model 0.013 nats of held-out
         NLL, over a third of int8's loss (docs/performance.md, "int8 weights")."""
         return two_pass(self.weight("embed" if self.cfg.tie_word_embeddings else "lm_head"))
 
@@ -117,8 +123,8 @@ class RMSNorm(nnx.Module):
     multiplier itself: Gemma's (1 + w) convention is folded in when a checkpoint is converted
     (convert/names.py)."""
 
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, axis: str = "norm"):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -165,13 +171,13 @@ class Attention(nnx.Module, LinearWeights):
         n_kv, h = cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attention_scale  # on q·k: head_dim^-½, or Gemma's query_pre_attn_scalar^-½
         parts = cfg.num_attention_heads // n_kv + 2  # a KV group's query heads, its key, its value
-        self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights, cfg.activations)
-        self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights, cfg.activations)
+        self._linear_param("qkv", (n_kv, parts, h, d), dtype, cfg.weights, cfg.activations, ("kv_heads", "qkv_part", "head_dim", "embed"))
+        self._linear_param("o", (d, cfg.q_dim), dtype, cfg.weights, cfg.activations, ("embed", "heads"))
         if cfg.qkv_bias:
-            self.qkv_bias = _param((n_kv, parts, h), dtype)
+            self.qkv_bias = _param((n_kv, parts, h), dtype, ("kv_heads", "qkv_part", "head_dim"))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, "head_dim")
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, "head_dim")
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]."""
@@ -209,40 +215,22 @@ class Attention(nnx.Module, LinearWeights):
             k = self.k_norm(k)
         return KVCache(apply_rope(k, cos, sin), v)
 
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        key_valid: jax.Array,
-        cache: KVCache | None,
-        write_index: jax.Array | int,
-        window: int | jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache]:
-        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, S] (S = cache slots, or T without cache);
-        ``window``: the layer's sliding window (None: full attention).
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, attend_cache=None,
+                 window: int | jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, T] (prefill) -> (out [B, T, d], the T
+        tokens' fresh KVCache [B, T, n_kv, h], which the caller writes into its cache).
 
-        Without a cache (prefill/forward) the T fresh keys are attended causally (within the
-        window) and returned as the new cache entries. With a cache, the fresh keys are written
-        at ``write_index`` and the queries attend to every valid slot up to their own, reading
-        only written blocks; a sliding layer's cache is a ring buffer [B, R, n_kv, h]
-        (models/attention.py ``ring_attention``).
-        """
-        cfg = self.cfg
+        ``attend_cache`` None (prefill): the T tokens attend to each other causally (within
+        ``window``, the layer's sliding window; None: full attention). Otherwise a function
+        ``(q [B, T, n_q, h], k, v [B, T, n_kv, h], scale) -> [B, T, n_q, h]`` that attends them to
+        the cache's earlier slots and to themselves (`models.decoder.cache_attention`, around the
+        one decode kernel `kernels.attention.cached_attention`)."""
         q, k, v = self.rotated_qkv(x, cos, sin)
-        if cache is None:
-            out, new_cache = causal_attention(q, k, v, key_valid, self.scale, window), KVCache(k, v)
-        elif window is None:
-            keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k, write_index, axis=1)
-            values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, write_index, axis=1)
-            new_cache = KVCache(keys, values)
-            out = cached_attention(q, keys, values, key_valid, write_index, self.scale)
+        if attend_cache is None:
+            out = causal_attention(q, k, v, key_valid, self.scale, window)
         else:
-            read = lambda start, size: (jax.lax.dynamic_slice_in_dim(cache.k, start, size, axis=1),
-                                        jax.lax.dynamic_slice_in_dim(cache.v, start, size, axis=1))
-            out = ring_attention(q, k, v, read, cache.k.shape[1], key_valid, write_index, window, self.scale)
-            new_cache = KVCache(ring_write(cache.k, k, write_index), ring_write(cache.v, v, write_index))
-        return linear(out.reshape(*x.shape[:2], cfg.q_dim), self.weight("o")), new_cache
+            out = attend_cache(q, k, v, self.scale)
+        return linear(out.reshape(*x.shape[:2], self.cfg.q_dim), self.weight("o")), KVCache(k, v)
 
     def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]: projected, q/k-normed, RoPE'd."""
@@ -263,29 +251,26 @@ def _grouped_linear(x: jax.Array, w: jax.Array | Int8Weight, bias: jax.Array | N
 
 
 class MLPWeights(nnx.Module, LinearWeights):
-    """Weights of the gated MLP. The computation is the caller's ``mlp_fn``, a pure function of
-    ``(weights, state, x)`` (the dense MLP, or whatever the caller runs instead)."""
+    """Weights of the gated MLP. The computation is the caller's FFN function (``FFNHook.fn``), a
+    pure function of ``(FFNWeights, state, x, valid)`` (the dense MLP, or whatever the caller runs)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, layer: int | None = None):
         """``layer`` picks this layer's width in a pruned model with per-layer widths."""
         d, f = cfg.hidden_size, cfg.ffn_width(layer)
         self.act = cfg.hidden_act  # the gate activation's name, static (popjax.ffn.gate_activation)
-        self._linear_param("gate_up", (2, f, d), dtype, cfg.weights, cfg.activations)  # [gate; up] on a leading axis
-        self._linear_param("down", (d, f), dtype, cfg.weights, cfg.activations)
+        # [gate; up] on a leading axis: split on f, every device holds the gate and up rows of its channels
+        self._linear_param("gate_up", (2, f, d), dtype, cfg.weights, cfg.activations, ("mlp_pair", "mlp", "embed"))
+        self._linear_param("down", (d, f), dtype, cfg.weights, cfg.activations, ("embed", "mlp"))
         if cfg.down_proj_bias:  # a structurally pruned checkpoint's bias (popjax.pruned)
-            self.down_bias = _param((d,), dtype)
+            self.down_bias = _param((d,), dtype, ("embed",))
         # ‖W_d[:, j]‖₂ per channel (channel importance scores read it): a per-model constant, filled in by `finalize`.
-        self.down_norm = Derived(jnp.zeros((f,), jnp.float32))
+        self.down_norm = Derived(jnp.zeros((f,), jnp.float32), axes=("mlp",))
 
     def finalize(self) -> None:
         down = dequantized(self.weight("down")).astype(jnp.float32)  # an int8 model's norms: of q · s
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=0))
 
-    def as_dict(self) -> dict[str, jax.Array]:
-        """gate_up [2, f, d]; down [d, f] (arrays, or `Int8Weight`s in an int8 model); down_norm
-        [f] fp32; act (the gate activation's name, a static str); down_bias [d] when the model has one."""
-        out = {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...],
-               "act": self.act}
-        if hasattr(self, "down_bias"):
-            out["down_bias"] = self.down_bias[...]
-        return out
+    def ffn_weights(self, layer) -> FFNWeights:
+        """The arrays a method's FFN function reads (`models.interface.FFNWeights`) for layer
+        ``layer`` (an int32 scalar). ``down_bias`` is not among them: the layer adds it."""
+        return FFNWeights(self.weight("gate_up"), self.weight("down"), self.down_norm[...], layer, act=self.act)

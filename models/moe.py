@@ -21,7 +21,7 @@ token reached (all scores zero; ties go to the lower id) is the weight-only rank
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx
 
 from .moe_config import MoEConfig  # noqa: F401 (re-exported: the MoE config beside its layers)
+from .interface import FFNFn, FFNWeights
 from .layers import Derived, LinearWeights, linear
-from .quant import dequantized
+from ..kernels.int8 import dequantized
 
 # ---------------------------------------------------------------- weights
 
@@ -40,18 +41,26 @@ class ExpertStack(nnx.Module, LinearWeights):
     per-output-channel scales: ``weights`` "int8"), down_norm [n, f] (derived), channel_order
     [n, f] (HF channel id of each stored channel; -1 for zero padding)."""
 
-    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype, weights: str = "float", activations: str = "float"):
-        self._linear_param("gate_up", (n, 2, f, d), dtype, weights, activations)
-        self._linear_param("down", (n, d, f), dtype, weights, activations)
-        self.down_norm = Derived(jnp.zeros((n, f), jnp.float32))
-        self.channel_order = Derived(jnp.zeros((n, f), jnp.int32))
+    def __init__(self, n: int, f: int, d: int, dtype: jnp.dtype, weights: str = "float", activations: str = "float",
+                 act: str = "silu"):
+        self.act = act  # the gate activation's name, static (`FFNWeights.act`)
+        # the blocks replicated ("experts"), each block's channels split like a dense FFN's
+        self._linear_param("gate_up", (n, 2, f, d), dtype, weights, activations, ("experts", "mlp_pair", "mlp", "embed"))
+        self._linear_param("down", (n, d, f), dtype, weights, activations, ("experts", "embed", "mlp"))
+        self.down_norm = Derived(jnp.zeros((n, f), jnp.float32), axes=("experts", "mlp"))
+        self.channel_order = Derived(jnp.zeros((n, f), jnp.int32), axes=("experts", "mlp"))
 
     def finalize(self) -> None:
         down = dequantized(self.weight("down")).astype(jnp.float32)
         self.down_norm[...] = jnp.sqrt(jnp.sum(down * down, axis=1))
 
-    def as_dict(self) -> dict[str, jax.Array]:
-        return {"gate_up": self.weight("gate_up"), "down": self.weight("down"), "down_norm": self.down_norm[...]}
+    def ffn_weights(self, first_slot: int) -> FFNWeights:
+        """The n blocks as one `FFNWeights` with a leading [n] axis on every array (``block``:
+        their slots, `MoEConfig.slots`, from ``first_slot``), for a vmap over blocks; ``layer``
+        is set per call."""
+        n = self.down_norm.shape[0]
+        return FFNWeights(self.weight("gate_up"), self.weight("down"), self.down_norm[...], None,
+                          block=first_slot + jnp.arange(n, dtype=jnp.int32), act=self.act)
 
 
 class MoEWeights(nnx.Module):
@@ -63,13 +72,13 @@ class MoEWeights(nnx.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.n_experts = moe.num_experts  # slot offset of the always-active blocks (MoEConfig.slots)
         if moe.is_sparse(layer):
-            self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype))
-            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype, cfg.weights, cfg.activations)
+            self.router = nnx.Param(jnp.zeros((moe.num_experts, d), dtype), axes=("experts", "embed"))
+            self.experts = ExpertStack(moe.num_experts, moe.expert_size, d, dtype, cfg.weights, cfg.activations, cfg.hidden_act)
         n_always = moe.blocks(moe.always_width(layer))
         if n_always:
-            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype, cfg.weights, cfg.activations)
+            self.shared = ExpertStack(n_always, moe.expert_size, d, dtype, cfg.weights, cfg.activations, cfg.hidden_act)
             if moe.is_sparse(layer) and moe.shared_gate:
-                self.shared_gate = nnx.Param(jnp.zeros((1, d), dtype))
+                self.shared_gate = nnx.Param(jnp.zeros((1, d), dtype), axes=(None, "embed"))
 
     def finalize(self) -> None:
         for name in ("experts", "shared"):
@@ -152,16 +161,13 @@ def slot_array(cfg, layer: int, mlp: Mapping[str, Any], name: str) -> np.ndarray
     return out
 
 
-def table_row(w: Mapping[str, jax.Array], slots: int) -> jax.Array:
+def table_row(w: FFNWeights, slots: int) -> jax.Array:
     """The row of ``w``'s block in a per-block constant table flattened to [L · slots] rows
     (``slots`` = 0: a dense model's per-layer table, row = layer)."""
-    return w["layer"] * slots + w["block"] if slots else w["layer"]
+    return w.layer * slots + w.block if slots else w.layer
 
 
 # ---------------------------------------------------------------- forward
-
-MLPFn = Callable[..., tuple[jax.Array, Any, Any]]
-
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """HF top-k routing: softmax over all E logits in fp32, the top k, optionally renormalised
@@ -174,27 +180,25 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> 
     return weights.astype(x.dtype), ids.astype(jnp.int32)
 
 
-def _run(mlp_fn: MLPFn, stack: dict[str, jax.Array], layer, state, x, routed=None):
+def _run(fn: FFNFn, stack: FFNWeights, layer, state, x, valid, routed=None):
     """The method on every block of a stack through vmap: (y [n, B, T, d], state [n, ...], aux [n, ...]).
-    ``routed`` [n, B, T] (routed experts) is passed on as the 4th argument, which the engine
-    ANDs into ``valid``; always-active blocks call mlp_fn with three arguments. Each block's
-    weights carry ``layer`` and ``block`` (its slot, `MoEConfig.slots`), so methods with
-    calibrated per-block constants index them by ``[layer, block]``."""
+    ``routed`` [n, B, T] (routed experts) narrows ``valid`` [B, T] to each block's tokens. Each
+    block's weights carry ``layer`` and ``block`` (its slot, `MoEConfig.slots`), so methods with
+    calibrated per-block constants index them by ``[layer, block]`` (`table_row`)."""
 
     def one(w, s, r):
-        w = {**w, "layer": layer}
-        return mlp_fn(w, s, x) if r is None else mlp_fn(w, s, x, r)
+        return fn(w.replace(layer=layer), s, x, valid if r is None else valid & r)
 
     return jax.vmap(one)(stack, state, routed)
 
 
-def _keeps_state_shape(mlp_fn, stack, layer, state, x, routed) -> bool:
+def _keeps_state_shape(fn: FFNFn, stack: FFNWeights, layer, state, x, valid) -> bool:
     """Whether the method returns a state shaped like the one it got (decode), as opposed to
     building one (prefill, or a boundary step that prefills one token): only then may a step run
     on a subset of the experts and leave the others' states as they are."""
     one = lambda a: a[0]
     out = jax.eval_shape(
-        lambda w, s: mlp_fn({**w, "layer": layer}, s, x, routed[0]),
+        lambda w, s: fn(w.replace(layer=layer), s, x, valid),
         jax.tree_util.tree_map(one, stack), jax.tree_util.tree_map(one, state),
     )[1]
     given = [(a.shape[1:], a.dtype) for a in jax.tree_util.tree_leaves(state)]
@@ -202,7 +206,7 @@ def _keeps_state_shape(mlp_fn, stack, layer, state, x, routed) -> bool:
     return jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(out) and given == returned
 
 
-def _routed_experts(mlp_fn, stack, layer, state, x, weights, ids, n_experts: int, dispatch: str):
+def _routed_experts(fn: FFNFn, stack: FFNWeights, layer, state, x, valid, weights, ids, n_experts: int, dispatch: str):
     """The routed experts -> (y [B, T, d], state [E, ...], aux [E, ...]).
 
     "dense": every expert runs on every token with ``routed`` marking its tokens, combined with
@@ -212,7 +216,7 @@ def _routed_experts(mlp_fn, stack, layer, state, x, weights, ids, n_experts: int
     one_hot = ids[..., None] == jnp.arange(n_experts)  # [B, T, k, E]
     if dispatch == "dense":
         routed = jnp.moveaxis(jnp.any(one_hot, axis=-2), -1, 0)  # [E, B, T]
-        y, state, aux = _run(mlp_fn, stack, layer, state, x, routed)
+        y, state, aux = _run(fn, stack, layer, state, x, valid, routed)
         combine = jnp.sum(jnp.where(one_hot, weights[..., None], 0), axis=-2)  # [B, T, E]
         return jnp.einsum("ebtd,bte->btd", y, combine.astype(y.dtype)), state, aux
     slots = min(n_experts, ids.size)
@@ -221,7 +225,7 @@ def _routed_experts(mlp_fn, stack, layer, state, x, weights, ids, n_experts: int
     routed = jnp.moveaxis(jnp.any(hits, axis=-2), -1, 0)  # [U, B, T]
     take = lambda a: jnp.take(a, chosen, axis=0, mode="clip")
     sub_state = jax.tree_util.tree_map(take, state)
-    y, new_state, aux = _run(mlp_fn, jax.tree_util.tree_map(take, stack), layer, sub_state, x, routed)
+    y, new_state, aux = _run(fn, jax.tree_util.tree_map(take, stack), layer, sub_state, x, valid, routed)
     combine = jnp.sum(jnp.where(hits, weights[..., None], 0), axis=-2)  # [B, T, U]
     write = lambda full, old, new: full if new is old else full.at[chosen].set(new, mode="drop")
     state = jax.tree_util.tree_map(write, state, sub_state, new_state)
@@ -229,8 +233,9 @@ def _routed_experts(mlp_fn, stack, layer, state, x, weights, ids, n_experts: int
     return jnp.einsum("ubtd,btu->btd", y, combine.astype(y.dtype)), state, jax.tree_util.tree_map(scatter, aux)
 
 
-def moe_mlp(mlp: MoEWeights, mlp_fn: MLPFn, state: Any, x: jax.Array, layer: jax.Array, dispatch: str = "auto"):
-    """One layer's MoE FFN under ``mlp_fn`` -> (y [B, T, d], state, aux).
+def moe_mlp(mlp: MoEWeights, fn: FFNFn, state: Any, x: jax.Array, valid: jax.Array, layer: jax.Array, dispatch: str = "auto"):
+    """One layer's MoE FFN under the method's ``fn`` -> (y [B, T, d], state, aux); ``valid`` [B, T]
+    the tokens the method's statistics may use (each expert: those routed to it).
 
     ``state`` is None (prefill) or {"experts": [E, ...], "shared": [n_s, ...]}. ``aux`` holds the
     method's aux per block ("experts" [E, ...], "shared" [n_s, ...]) and the router's choices
@@ -242,23 +247,21 @@ def moe_mlp(mlp: MoEWeights, mlp_fn: MLPFn, state: Any, x: jax.Array, layer: jax
     if hasattr(mlp, "router"):
         weights, ids = route(x, mlp.router[...], mlp.top_k, mlp.norm_topk_prob)
         n_experts = mlp.router.shape[0]
-        stack = {**mlp.experts.as_dict(), "block": jnp.arange(n_experts, dtype=jnp.int32)}
+        stack = mlp.experts.ffn_weights(0)
         expert_state = state.get("experts")
         mode = dispatch
         if mode == "auto":
             mode = "dense"
             if x.shape[1] == 1 and ids.size < n_experts:
-                routed = jnp.zeros((n_experts, *x.shape[:2]), bool)
-                mode = "gather" if _keeps_state_shape(mlp_fn, stack, layer, expert_state, x, routed) else "dense"
+                mode = "gather" if _keeps_state_shape(fn, stack, layer, expert_state, x, valid) else "dense"
         y_e, new_state["experts"], aux["experts"] = _routed_experts(
-            mlp_fn, stack, layer, expert_state, x, weights, ids, n_experts, mode
+            fn, stack, layer, expert_state, x, valid, weights, ids, n_experts, mode
         )
         y = y + y_e
         aux["router_topk"] = ids
     if hasattr(mlp, "shared"):
-        shared = mlp.shared.as_dict()
-        shared["block"] = mlp.n_experts + jnp.arange(shared["down"].shape[0], dtype=jnp.int32)
-        y_s, new_state["shared"], aux["shared"] = _run(mlp_fn, shared, layer, state.get("shared"), x)
+        shared = mlp.shared.ffn_weights(mlp.n_experts)
+        y_s, new_state["shared"], aux["shared"] = _run(fn, shared, layer, state.get("shared"), x, valid)
         y_s = jnp.sum(y_s, axis=0)
         if hasattr(mlp, "shared_gate"):
             y_s = jax.nn.sigmoid(linear(x, mlp.shared_gate[...])) * y_s

@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import NO_WINDOW, ring_from_prompt, ring_slots
+from ..kernels.attention import NO_WINDOW, ring_from_prompt, ring_slots, ring_write
 from .config import ModelConfig
-from .decoder import DecoderLayer, MLPFn, Transformer
-from .layers import KVCache, PlacedEmbeddings, RMSNorm, TokenEmbeddings
+from .decoder import DecoderLayer, Transformer, cache_attention
+from .interface import CacheView, FFNHook, LayerControl, ModelInputs, ModelOutput
+from .layers import KVCache, RMSNorm, TokenEmbeddings
 from .rope import check_rope_type, layer_rope
-from .stacked_attention import KindCaches, stacked_cache_attention, write_slots
 
 UNROLLED = "use the unrolled model (popjax.load(..., scan_layers=False), models.Transformer)"
 
@@ -64,6 +64,54 @@ def check_scannable(cfg: ModelConfig) -> None:
             f"moe.sparse_layers={list(moe.sparse_layers)} of {cfg.num_hidden_layers} layers: a scanned model needs "
             f"every layer alike, but this MoE model mixes dense and expert layers; {UNROLLED}"
         )
+
+
+class KindCaches(NamedTuple):
+    """A scanned model's caches when it has sliding-window layers: the full layers' k, v
+    [L_f, B, S, n_kv, h] and the sliding layers' rings [L_s, B, R, n_kv, h] (in layer order)."""
+
+    full: KVCache
+    sliding: KVCache
+
+
+
+def stacked_cache_attention(cfg: ModelConfig, caches, index, kind, key_valid, write_index):
+    """The attention of layer ``index`` over stacked caches (read only), as `Attention` calls it
+    (`models.decoder.cache_attention`): the one decode kernel, reading its blocks straight from
+    the stack at (layer, block). With layer kinds (``kind``), a ``lax.cond`` reads the layer's
+    own stack: the full layers' cache or the sliding layers' rings."""
+    if kind is None:
+        return cache_attention(caches, key_valid, write_index, None, False, at=(index,))
+
+    def attend(q, k, v, scale):
+        ring = lambda: cache_attention(caches.sliding, key_valid, write_index, kind.window, True, at=(kind.ordinal,))(q, k, v, scale)
+        if not cfg.full_layers:
+            return ring()
+        full = lambda: cache_attention(caches.full, key_valid, write_index, None, False, at=(kind.ordinal,))(q, k, v, scale)
+        return jax.lax.cond(kind.sliding, ring, full)
+
+    return attend
+
+
+def write_slots(cfg: ModelConfig, caches, fresh: KVCache, write_index):
+    """Writes every layer's fresh keys/values k, v [L, B, T, n_kv, h] into the stacked cache at
+    slot ``write_index`` with one ``dynamic_update_slice`` per array (in place on a donated
+    cache); with layer kinds, the full layers' rows at ``write_index`` and the sliding layers'
+    into their rings at ``write_index mod R``. Writing inside the scan, into a cache the same
+    layer reads, made XLA copy the whole stacked cache in every layer of every step (seen in the
+    compiled HLO); read-only inside the scan and written once after it, the cache is never copied."""
+    zero = jnp.int32(0)
+    at = (zero, zero, jnp.asarray(write_index, jnp.int32), zero, zero)
+    write = lambda c, f: KVCache(jax.lax.dynamic_update_slice(c.k, f.k.astype(c.k.dtype), at),
+                                 jax.lax.dynamic_update_slice(c.v, f.v.astype(c.v.dtype), at))
+    if isinstance(caches, KVCache):
+        return write(caches, fresh)
+    rows = lambda idx: KVCache(fresh.k[np.array(idx, np.int32)], fresh.v[np.array(idx, np.int32)])
+    full = write(caches.full, rows(cfg.full_layers)) if cfg.full_layers else caches.full
+    sliding = rows(cfg.sliding_layers)
+    rings = KVCache(ring_write(caches.sliding.k, sliding.k, write_index, axis=2),
+                    ring_write(caches.sliding.v, sliding.v, write_index, axis=2))
+    return KindCaches(full, rings)
 
 
 class _Kinds(NamedTuple):
@@ -85,17 +133,25 @@ def _kinds(cfg: ModelConfig) -> _Kinds | None:
     return _Kinds(sliding, ordinal, window)
 
 
+def _with_layer_axis(state: nnx.State) -> nnx.State:
+    """``state`` (a layer's variables, each already stacked [L, ...]) with the logical axis
+    "layers" declared in front of each variable's own axes."""
+    for _, variable in nnx.to_flat_state(state):
+        variable.set_metadata(axes=("layers", *variable.get_metadata()["axes"]))
+    return state
+
+
 def _stack_template(cfg: ModelConfig, dtype: jnp.dtype) -> DecoderLayer:
-    """A DecoderLayer whose every parameter has a leading [L] axis (zeros)."""
+    """A DecoderLayer whose every parameter has a leading [L] axis (zeros), declared "layers"."""
     graphdef, state = nnx.split(DecoderLayer(cfg, dtype, 0))
     L = cfg.num_hidden_layers
-    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: jnp.zeros((L, *a.shape), a.dtype), state))
+    return nnx.merge(graphdef, _with_layer_axis(jax.tree_util.tree_map(lambda a: jnp.zeros((L, *a.shape), a.dtype), state)))
 
 
 class ScannedTransformer(nnx.Module, TokenEmbeddings):
     """Token embedding, L decoder layers stacked in ``layer_stack`` (run by ``lax.scan``), final
-    norm and LM head. Same call signature and results as ``Transformer``; caches and method
-    states are stacked over layers instead of tuples of L."""
+    norm and LM head. The call and results of ``Transformer``, and its layer body; caches and
+    method states are stacked over layers instead of tuples of L."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32):
         check_rope_type(cfg)
@@ -140,41 +196,30 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
             return fn(*stacked)
         return jax.vmap(fn)(*stacked)
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        key_valid: jax.Array,
-        mlp_fn: MLPFn,
-        mlp_states: Any,
-        caches: KVCache | None = None,
-        write_index: jax.Array | int = 0,
-        last_only: bool = False,
-        gates: jax.Array | None = None,
-        schedule: Any = None,
-        kv_weights: Any = None,
-        prefix_end: jax.Array | int = 0,
-        placed: PlacedEmbeddings | None = None,
-    ) -> tuple[jax.Array, KVCache, Any, Any]:
-        """tokens, positions [B, T]; key_valid [B, S] -> (logits [B, T or 1, V], caches, states, aux).
-
-        ``mlp_states``: None (prefill; a sequence of Nones is accepted too) or the states stacked
-        over layers. ``caches``: None (prefill: the returned caches are the fresh keys/values
-        k, v [L, B, T, n_kv, h]) or one KVCache [L, B, S, n_kv, h], written at ``write_index``
-        and returned. States and aux come back stacked over layers ([L, ...] leaves).
-        ``gates``, a ``schedule`` and ``kv_weights`` (per-layer steering, see Transformer) are
-        refused: they need the unrolled model."""
-        fn = _single_mlp_fn(mlp_fn)
-        _check_uniform(gates, schedule, kv_weights)
-        if isinstance(mlp_states, (list, tuple)) and all(s is None for s in mlp_states):
-            mlp_states = None  # the unrolled model's "no state for any layer"
+    def __call__(self, inputs: ModelInputs, *, cache: CacheView, ffn: FFNHook, layers: LayerControl | None = None,
+                 last_only: bool = False) -> ModelOutput:
+        """The call of `Transformer` (models/interface.py), over stacked layers: ``cache.caches``
+        None (prefill: the returned caches are the fresh keys/values k, v [L, B, T, n_kv, h]) or
+        one KVCache [L, B, S, n_kv, h] (or `KindCaches`), written at ``cache.write_index`` after
+        the scan and returned; ``ffn.states`` None or stacked over layers; states and aux come
+        back stacked over layers ([L, ...] leaves). A ``layers`` control that treats layers
+        differently (skips, K/V projections, prefix masks, gates) is refused: it needs the
+        unrolled model. Each scan step runs `DecoderLayer`, the unrolled model's layer body."""
+        fn = _single_ffn_fn(ffn.fn)
+        if layers is not None and not layers.uniform:
+            raise ValueError(f"{layers.describe()}: a layer control that treats layers differently (skipped layers, K/V "
+                             f"projections, prefix masks, virtual gates) is not supported by a scanned model; {UNROLLED}")
+        states = ffn.states
+        if isinstance(states, (list, tuple)) and all(s is None for s in states):
+            states = None  # the unrolled model's "no state for any layer"
         cfg = self.cfg
-        x = self.embed_inputs(tokens, placed)
-        rope = layer_rope(cfg, positions)
+        x = self.embed_inputs(inputs.tokens, inputs.placed)
+        rope = layer_rope(cfg, inputs.positions)
         kinds = _kinds(cfg)
         graphdef, params = nnx.split(self.layer_stack)
         per_layer = None if kinds is None else jax.tree_util.tree_map(jnp.asarray, kinds)
-        xs = (jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32), params, mlp_states, per_layer)
+        xs = (jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32), params, states, per_layer)
+        caches = cache.caches
 
         def angles(kind):  # this layer's rotary angles (a sliding layer may have its own base)
             if kind is None or len(rope) == 1:
@@ -183,63 +228,35 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
             (cs, ss), (cf, sf) = rope["sliding_attention"], rope["full_attention"]
             return pick(cs, cf), pick(ss, sf)
 
-        if caches is None:  # prefill: each layer's fresh keys/values leave the scan as outputs
+        def layer_step(x, layer_xs):  # prefill: no cache; decode: read the stacked cache(s), in place
+            index, layer_params, state, kind = layer_xs
+            layer = nnx.merge(graphdef, layer_params)
+            cos, sin = angles(kind)
+            attend = None if caches is None else stacked_cache_attention(cfg, caches, index, kind, cache.key_valid,
+                                                                         cache.write_index)
+            window = None if kind is None else kind.window
+            x, fresh, state, aux = layer(x, cos, sin, cache.key_valid, attend, fn, state, ffn.valid, index, window=window)
+            return x, (fresh, state, aux)
 
-            def prefill_layer(x, layer_xs):
-                index, layer_params, state, kind = layer_xs
-                layer = nnx.merge(graphdef, layer_params)
-                cos, sin = angles(kind)
-                window = None if kind is None else kind.window
-                x, cache, state, aux = layer(x, cos, sin, key_valid, None, 0, fn, state, None, index, window=window)
-                return x, (cache, state, aux)
-
-            x, (caches, states, aux) = jax.lax.scan(prefill_layer, x, xs)
-        else:  # decode: layers read the stacked cache(s); their new slots are written after the scan
-
-            def decode_layer(x, layer_xs):
-                index, layer_params, state, kind = layer_xs
-                layer = nnx.merge(graphdef, layer_params)
-                cos, sin = angles(kind)
-                attn_out, fresh = stacked_cache_attention(
-                    layer, layer.attn_norm(x), cos, sin, key_valid, caches, index, write_index, kind
-                )
-                x = x + attn_out
-                y, state, aux = layer.feed_forward(x, fn, state, index)
-                return x + y, (fresh, state, aux)
-
-            x, (fresh, states, aux) = jax.lax.scan(decode_layer, x, xs)
-            caches = write_slots(cfg, caches, fresh, write_index)
+        x, (fresh, states, aux) = jax.lax.scan(layer_step, x, xs)
+        # decode: every layer's fresh slots are written after the scan, in one update (`write_slots`)
+        new_caches = fresh if caches is None else write_slots(cfg, caches, fresh, cache.write_index)
         if last_only:
             x = x[:, -1:]
-        return self.logits(x), caches, states, aux
+        return ModelOutput(self.logits(x), new_caches, states, aux)
 
 
-def _single_mlp_fn(mlp_fn):
-    """One MLP function for all layers (a sequence of one per layer is accepted when its entries
+def _single_ffn_fn(fn):
+    """One FFN function for all layers (a sequence of one per layer is accepted when its entries
     are the same function: a scan runs one layer body)."""
-    if not isinstance(mlp_fn, (list, tuple)):
-        return mlp_fn
-    if any(f is not mlp_fn[0] for f in mlp_fn):
+    if not isinstance(fn, (list, tuple)):
+        return fn
+    if any(f is not fn[0] for f in fn):
         raise ValueError(
-            f"mlp_fn holds {len(set(map(id, mlp_fn)))} different per-layer functions: a scanned model runs one "
-            f"MLP function in every layer; {UNROLLED}"
+            f"the FFN hook holds {len(set(map(id, fn)))} different per-layer functions: a scanned model runs one "
+            f"FFN function in every layer; {UNROLLED}"
         )
-    return mlp_fn[0]
-
-
-def _check_uniform(gates, schedule, kv_weights) -> None:
-    if schedule is not None and (set(schedule.modes) != {"full"} or schedule.prefix_masked):
-        raise ValueError(
-            f"schedule={schedule}: per-layer schedules (layers that skip or only project K/V, per-layer "
-            f"attention masks) are not supported by a scanned model; {UNROLLED}"
-        )
-    if kv_weights:
-        raise ValueError(f"kv_weights for layers {sorted(kv_weights)} are not supported by a scanned model; {UNROLLED}")
-    if gates is not None:
-        raise ValueError(
-            f"gates of shape {tuple(gates.shape)}: virtual layer gates (per-layer importance) are not "
-            f"supported by a scanned model; {UNROLLED}"
-        )
+    return fn[0]
 
 
 # ------------------------------------------------------------------- building
@@ -277,11 +294,11 @@ def scan_layers(model: Transformer) -> ScannedTransformer:
     _check_identical_layers(model)
     graphdef = nnx.split(model.layers[0])[0]
     states = [nnx.split(layer)[1] for layer in model.layers]
-    stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *states)
+    stacked = _with_layer_axis(jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *states))
     out = nnx.eval_shape(lambda: ScannedTransformer(model.cfg, model.compute_dtype))
-    for name in ("embed", "embed_scale", "lm_head", "lm_head_scale"):  # those the weight format has
-        if hasattr(model, name):
-            setattr(out, name, nnx.Param(getattr(model, name)[...]))
+    for name, variable in vars(model).items():  # the embedding and head parameters the weight format has
+        if isinstance(variable, nnx.Variable):
+            setattr(out, name, type(variable)(variable[...], axes=variable.get_metadata()["axes"]))
     out.layer_stack = nnx.merge(graphdef, stacked)
     out.final_norm = _copy(model.final_norm)
     return out

@@ -5,7 +5,10 @@
     print(out.text)
 """
 
-from . import engine
+from .libtpu_env import prepare_libtpu_env
+
+prepare_libtpu_env()  # before JAX's first backend start: an installed libtpu then starts quietly off a TPU VM
+from . import engine  # noqa: E402
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import convert_source, load
 from .loaded import LoadedModel

@@ -27,7 +27,7 @@ A statistic is a frozen (hashable: it is part of a jit static argument) `Statist
 
     sums = calibrate(model, SumSquares())        # {"sumsq": [L, f] float64, "tokens": [L] int64}
 
-Override `Statistic.output` to collect under a pruned model (it sees ``w["layer"]``). Quantile
+Override `Statistic.output` to collect under a pruned model (it sees ``w.layer``). Quantile
 thresholds: `log_histogram` inside `collect`, `histogram_quantile` on the host.
 
 **Mixture-of-experts models** (docs/moe.md): the statistic runs on every FFN block — each
@@ -90,7 +90,7 @@ class Statistic:
 
     def output(self, w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, h: jax.Array) -> jax.Array:
         """The layer's MLP output during collection, [B, T, d]: dense by default."""
-        return down_proj(h, w["down"])
+        return down_proj(h, w.down)
 
     def key(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "fields": repr(dataclasses.astuple(self))}
@@ -104,7 +104,7 @@ class CollectorPlan(Plan):
     statistic: Statistic | None = None
 
     def prefill(self, w, x, valid):
-        h = activations(w["gate_up"], x, gate_activation(w))
+        h = activations(w.gate_up, x, gate_activation(w))
         return self.statistic.output(w, x, valid, h), None, self.statistic.collect(w, x, valid, h)
 
 

@@ -11,7 +11,7 @@
   layer's ring of its window, ``model.init_caches``) inside the same program and writes the
   prompt's keys/values into it: no copy after prefill. The decode loop
   and the streaming step donate the state they consume.
-* Decode attention reads the cache only up to the last written slot (``models.attention``), so
+* Decode attention reads the cache only up to the last written slot (``kernels.attention``), so
   capacity costs memory, not time.
 * ``max_new_tokens`` and the sampling parameters are traced values: no recompiles.
 
@@ -33,10 +33,10 @@ from flax import nnx
 
 from . import sharding
 from .ffn import Plan
-from .models.attention import cache_slots
-from .models.decoder import LayerSchedule
+from .kernels.attention import cache_slots
+from .models.interface import CacheView, FFNHook, FFNWeights, LayerControl, ModelInputs
 from .models.layers import KVCache, PlacedEmbeddings
-from .models.stacked_attention import KindCaches
+from .models.scan import KindCaches
 from .sampling import SamplingParams, sample
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -119,9 +119,9 @@ class DecodeState(NamedTuple):
     step: jax.Array  # [] int32: decode-path calls so far (the methods' ``step``)
     key_valid: jax.Array  # [B, S] bool: the prompt mask, then True for every decode slot
     live: jax.Array  # [B] bool: a real row that has not stopped (the methods' ``valid``)
-    prefix_end: jax.Array  # [] int32: first slot not written by prefill (see models.decoder.LayerSchedule.prefix_masked)
+    prefix_end: jax.Array  # [] int32: first slot not written by prefill (see models.interface.LayerControl.prefix_masked)
     # L × k, v [B, S, n_kv, h] (a sliding layer: its ring [B, R, n_kv, h]); scanned model: k, v
-    # [L, B, S, n_kv, h], or with sliding layers models.stacked_attention.KindCaches (one stack per kind)
+    # [L, B, S, n_kv, h], or with sliding layers models.scan.KindCaches (one stack per kind)
     caches: tuple[KVCache, ...] | KVCache | KindCaches
     method_states: tuple[Any, ...] | Any  # L × the plan's state; scanned model: one state stacked [L, ...]
 
@@ -154,8 +154,8 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
     A plan with a ``boundary`` prefills all but each row's last prompt token (the last column,
     since rows are left-padded) and runs that token through the full model as a decode-path
     step; ``all_logits`` (``forward``) prefills every position instead. ``data`` is the method's
-    calibrated data (`Method.data`, traced): for a plan that ``requires_data``, its
-    ``kv_weights`` reach the model's schedule."""
+    calibrated data (`Method.data`, traced), given to the plan's FFN functions and to its
+    `Plan.layer_control`; ``gates`` [L, B, T] (optional) virtual layer gates."""
     B, T = tokens.shape
     L = model.cfg.num_hidden_layers
     check_data(plan, data)
@@ -166,19 +166,16 @@ def _prefill(model, plan: Plan, tokens, mask, capacity: int, all_logits=False, g
     # a boundary token is the last prompt token: text, so its three M-RoPE axes are equal
     positions = positions_from_mask(prefill_mask) if images is None else images.positions
     next_position = jnp.sum(mask, axis=1).astype(jnp.int32) if images is None else images.next_position.astype(jnp.int32)
+    control = plan.layer_control(L, data)
+    if gates is not None:
+        control = (control or LayerControl()).replace(gates=gates)
+    first = lambda w, _state, x, rows: plan.prefill(with_data(w, data, image_tokens), x, rows)
     logits, caches, states, aux = model(
-        tokens,
-        positions,
-        valid,
-        # ``routed`` [B, T] (a MoE expert's tokens, models/moe.py) narrows ``valid``; dense FFNs omit it
-        lambda w, _state, x, routed=None: plan.prefill(with_data(w, data, image_tokens), x, valid if routed is None else valid & routed),
-        None,  # no method state yet
+        ModelInputs(tokens, positions, None if images is None else images.placed),
+        cache=CacheView(None, valid),
+        ffn=FFNHook(first, None, valid),  # no method state yet
+        layers=control,
         last_only=not all_logits,
-        gates=gates,
-        schedule=plan.layer_schedule(L),
-        # only a plan that reads its data gets it: given to another plan, data changes nothing
-        kv_weights=data.get("kv_weights") if data is not None and plan.requires_data else None,
-        placed=None if images is None else images.placed,
     )
     S = cache_slots(T, capacity)
     # the model lays out its decode caches (a sliding-window layer keeps a ring of its window)
@@ -211,12 +208,13 @@ def check_data(plan: Plan, data) -> None:
                          "data=method.data(model) of the prepared method (popjax.generate and forward do)")
 
 
-def with_data(w: dict, data, image_tokens=None) -> dict:
-    """A layer's FFN weights plus the method's calibrated data (``w["data"]``, [L, ...] leaves the
-    plan indexes with ``w["layer"]``) and, in a prefill with images, the prompt's image-token
-    mask (``w["image_tokens"]`` [B, T]); unchanged for a method without data and a text prompt."""
-    w = w if data is None else {**w, "data": data}
-    return w if image_tokens is None else {**w, "image_tokens": image_tokens}
+def with_data(w: FFNWeights, data, image_tokens=None) -> FFNWeights:
+    """A layer's FFN weights plus the method's calibrated data (``w.data``, [L, ...] leaves the
+    plan indexes with ``w.layer``) and, in a prefill with images, the prompt's image-token mask
+    (``w.image_tokens`` [B, T]); unchanged for a method without data and a text prompt."""
+    if data is None and image_tokens is None:
+        return w
+    return w.replace(data=data, image_tokens=image_tokens)
 
 
 def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = False, data=None):
@@ -225,25 +223,18 @@ def _advance(model, plan: Plan, state: DecodeState, token, boundary: bool = Fals
     method's prefill on this token instead, which builds their state."""
     check_data(plan, data)
     valid = state.live[:, None]
-    narrow = lambda routed: valid if routed is None else valid & routed  # a MoE expert's rows (models/moe.py)
-    decode = lambda w, s, x, routed=None: plan.decode(with_data(w, data), s, x, state.step, narrow(routed))
-    mlp_fn = decode
+    decode = lambda w, s, x, rows: plan.decode(with_data(w, data), s, x, state.step, rows)
+    fn = decode
     if boundary:
-        first = lambda w, _s, x, routed=None: plan.prefill(with_data(w, data), x, narrow(routed))
-        mlp_fn = [decode if s is not None else first for s in state.method_states]
-    schedule = plan.layer_schedule(model.cfg.num_hidden_layers)
-    # decode runs every layer; a prefill schedule's prefix-masked layers keep their mask
-    decode_schedule = None if schedule is None else LayerSchedule(("full",) * len(schedule.modes), schedule.prefix_masked)
+        first = lambda w, _s, x, rows: plan.prefill(with_data(w, data), x, rows)
+        fn = [decode if s is not None else first for s in state.method_states]
+    # decode runs every layer; the layers a prefill control masked keep their mask
+    control = plan.layer_control(model.cfg.num_hidden_layers, data)
     logits, caches, states, aux = model(
-        token[:, None],
-        state.position[:, None],
-        state.key_valid,
-        mlp_fn,
-        state.method_states,
-        caches=state.caches,
-        write_index=state.index,
-        schedule=decode_schedule,
-        prefix_end=state.prefix_end,
+        ModelInputs(token[:, None], state.position[:, None]),
+        cache=CacheView(state.caches, state.key_valid, state.index),
+        ffn=FFNHook(fn, state.method_states, valid),
+        layers=None if control is None else control.decode_view(state.prefix_end),
     )
     state = state._replace(
         position=state.position + 1,

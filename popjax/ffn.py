@@ -8,31 +8,34 @@ FFN:
     plan.prefill(w, x [B, T, d], valid [B, T]) -> (y [B, T, d], state, aux)
     plan.decode(w, state, x_t [B, 1, d], step, valid [B, 1]) -> (y_t [B, 1, d], state, aux)
 
-and, for methods that act on whole layers, a per-layer prefill ``schedule`` (what each layer
-does in prefill: "full", "kv" — only project keys/values — or "none"; models.decoder). The engine
-imports this module and never a method; the methods implement it (docs/architecture.md).
+and, for methods that act on whole layers, a `LayerControl` (``plan.layer_control(L, data)``:
+what each layer does in prefill — "full", "kv" (only project keys/values) or "none" — and the
+projections it uses; models.interface). The engine imports this module and never a method; the
+methods implement it (docs/architecture.md).
 
 ``valid`` marks real tokens: padding in prefill, and in decode the rows of a padded batch
-bucket or of sequences that have already stopped; no statistic may include an invalid entry.
-``step`` is the int32 index of the decode-path call (0 for the first token fed after prefill).
-``w`` holds ``gate_up [2, f, d]`` (gate and up stacked), ``down [d, f]`` (HF layout),
-``down_norm [f]`` (‖W_d[:, j]‖₂, computed once per model), ``layer`` (the layer index, an
-int32 scalar, for per-layer calibrated constants) and ``act`` (the model's gate activation, a
-name in ``models.config.FFN_ACTIVATIONS``: a static string, read through `gate_activation`).
-Every method computes H = act(x W_gᵀ) ⊙ x W_uᵀ with it (SwiGLU for LLaMA/Qwen, GeGLU for
-Gemma); none branches on the architecture. ``aux`` is introspection data; the engine
-drops it unless asked, and XLA then removes its computation.
+bucket or of sequences that have already stopped (a MoE expert: the tokens routed to it); no
+statistic may include an invalid entry. ``step`` is the int32 index of the decode-path call (0
+for the first token fed after prefill). ``w`` is a `models.interface.FFNWeights`: ``gate_up
+[2, f, d]`` (gate and up stacked), ``down [d, f]`` (HF layout), ``down_norm [f]`` (‖W_d[:, j]‖₂,
+computed once per model), ``layer`` (the layer index, an int32 scalar, for per-layer calibrated
+constants), ``block`` (a MoE block's slot), ``data`` (the method's calibrated data) and ``act``
+(the model's gate activation, a name in ``models.config.FFN_ACTIVATIONS``, static: read through
+`gate_activation`). Every method computes H = act(x W_gᵀ) ⊙ x W_uᵀ with it (SwiGLU for
+LLaMA/Qwen, GeGLU for Gemma); none branches on the architecture. A structurally pruned
+checkpoint's down bias is added by the layer, never by a method. ``aux`` is introspection data;
+the engine drops it unless asked, and XLA then removes its computation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Mapping
+from typing import Callable, ClassVar
 
 import jax
 
-from .models.decoder import LayerSchedule
-from .models.quant import dot
+from .models.interface import FFNWeights, LayerControl
+from .kernels.int8 import dot
 from .sharding import split_channels
 
 
@@ -65,8 +68,10 @@ class Plan:
 
     # Layer-level hooks, consulted by the engine; the defaults describe a method that acts only
     # inside each layer's FFN (docs/methods.md §6).
-    def layer_schedule(self, n_layers: int) -> LayerSchedule | None:
-        """What each layer does in prefill (models.decoder.LayerSchedule); None = every layer runs."""
+    def layer_control(self, n_layers: int, data=None) -> LayerControl | None:
+        """What the method does to whole layers in prefill (`models.interface.LayerControl`, built
+        from the plan and the method's calibrated ``data``); None = every layer runs. Decode runs
+        every layer and keeps only the control's prefix masks (`LayerControl.decode_view`)."""
         return None
 
     @property
@@ -95,7 +100,7 @@ def gate_and_up(gate_up: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]
     Without a mesh the dot reads gate_up as the [2n, d] matrix it is in memory (a free
     reshape): XLA:CPU compiles dots over the [2, n, d] operand with transposes, of the weights
     (output [..., 2, n]: 3x the bytes) or of the output (output [2, ..., n]: +34% time at
-    prefill); tools/gate_up_layout_bench.py. On a mesh it contracts [2, n, d] directly: the
+    prefill); benchmarks/gate_up_layout_bench.py. On a mesh it contracts [2, n, d] directly: the
     reshape would merge the split f axis with the (gate, up) axis, a layout XLA can only reach
     by re-sharding the weights."""
     if split_channels() > 1:
@@ -114,10 +119,9 @@ _GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def gate_activation(w: Mapping) -> Callable[[jax.Array], jax.Array]:
-    """The gate activation of the layer whose FFN weights are ``w`` (``w["act"]``; SiLU when a
-    caller's hand-built ``w`` has none)."""
-    return _GATE_ACTIVATIONS[w.get("act", "silu")]
+def gate_activation(w: FFNWeights) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation of the layer whose FFN weights are ``w`` (``w.act``)."""
+    return _GATE_ACTIVATIONS[w.act]
 
 
 def activations(gate_up: jax.Array, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:

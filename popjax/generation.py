@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import distributed, engine, sharding
+from .convert.sources import no_images_message
 from .image_prompts import expand_placeholders, image_prompt, split_images
+from .images import ImageError
 from .loaded import LoadedModel
 from .methods import Method, prepared
 from .requests import GenerationRequest
@@ -58,6 +60,14 @@ def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool | None)
             raise ValueError(f"prompt {i} is a conversation but chat=False; pass a string")
         out.append([int(t) for t in ids])
     return out
+
+
+def refuse_images(model: LoadedModel, images: Sequence[Sequence[Any]]) -> None:
+    """One line when prompts hold images (per prompt, its list) and ``model`` has no vision
+    tower: raised before the chat template sees them (a text model's template fails on a list
+    content with a jinja TypeError)."""
+    if any(len(row) for row in images) and not model.config.is_vision_language:
+        raise ImageError(no_images_message(model.source))
 
 
 def generate_ids(
@@ -157,6 +167,7 @@ def stream(
     if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
         raise ValueError(f"stream() takes one prompt (a string or a chat conversation); got {type(prompt).__name__}")
     prompt, images = split_images(prompt)
+    refuse_images(model, [images])
     prompt_ids = encode_prompts(model, [prompt], chat)[0]
     ids: list[int] = []
     shown = ""
@@ -209,6 +220,7 @@ def generate(
     )
     prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
     prompts, images = zip(*[split_images(p) for p in prompts])
+    refuse_images(model, images)
     prompt_ids = encode_prompts(model, list(prompts), chat)
     ids, trace = generate_ids(
         model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, method, stop_ids, return_trace,

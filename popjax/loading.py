@@ -1,5 +1,6 @@
-"""``popjax.load``: a source (default model name, HF directory, GGUF file, converted directory)
--> a ready model (config, NNX graphdef, params, tokenizer), converting and caching on first use."""
+"""``popjax.load``: a source (a named source, hub id, HF directory, GGUF file or converted
+directory; convert/sources.py) -> a ready model (config, NNX graphdef, params, tokenizer),
+converting and caching on first use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,64 +20,21 @@ from flax import nnx
 from . import distributed
 from .cache import get_or_make, lookup
 from .convert import convert as conv
-from .convert.default_model import DEFAULT_MODEL, default_gguf_path
+from .convert.default_model import DEFAULT_MODEL
 from .convert.fused import fuse_checkpoint
 from .convert.readers import CheckpointError, gguf_tokenizer, hf_shard_files
-from .convert.store import FORMAT_VERSION, is_converted, read_converted, source_key, write_converted, write_into
+from .convert.sources import hub_snapshot, resolve_source  # noqa: F401  (hub_snapshot: popjax.loading's API)
+from .convert.store import FORMAT_VERSION, read_converted, source_key, write_converted, write_into
 from .images import ImageProcessorConfig
-from .loaded import LoadedModel, unrolled, with_scanned_layers
+from .loaded import LoadedModel
 from .models.config import ModelConfig
-from .models.decoder import Transformer, abstract_model
-from .models.quant import ACTIVATION_MODES, check_weights
-from .models.layers import MLPWeights
-from .models.scan import abstract_scanned_model, scan_layers as stack_model_layers, stack_layer_tree
+from .models.decoder import abstract_model
+from .kernels.int8 import ACTIVATION_MODES, check_weights
+from .models.scan import abstract_scanned_model, stack_layer_tree
 from .models.vision_config import vision_params_from_hf
 from . import sharding
 
 log = logging.getLogger(__name__)
-
-
-def _resolve_source(source: str | Path) -> tuple[str, Path]:
-    """-> (kind, path) with kind in {"gguf", "hf", "converted"}."""
-    if str(source) == DEFAULT_MODEL:
-        return "gguf", default_gguf_path()
-    path = Path(source).expanduser()
-    if not path.exists() and HUB_REPO.match(str(source)):
-        return "hf", hub_snapshot(str(source))
-    if path.is_dir():
-        if is_converted(path):
-            return "converted", path
-        return "hf", path
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise CheckpointError(f"GGUF file {path} does not exist")
-        return "gguf", path
-    raise CheckpointError(
-        f"source {str(source)!r} is neither {DEFAULT_MODEL!r}, a Hugging Face repo id (owner/name), an "
-        "existing HF checkpoint directory, a converted popjax directory, nor a .gguf file"
-    )
-
-
-HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "Qwen/Qwen3-8B"
-HUB_FILES = (  # what popjax reads from a hub repo: weights, configs, tokenizer
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json",  # newer repos keep the chat template apart
-)
-
-
-def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The local snapshot directory of a Hugging Face repo, through ``huggingface_hub``: its cache
-    (``HF_HUB_CACHE``), offline mode (``HF_HUB_OFFLINE=1`` reads the cache only) and
-    ``HUB_FILES`` as allow-patterns, so no .bin/.pth/.gguf duplicates are downloaded."""
-    from huggingface_hub import constants, snapshot_download  # heavy: huggingface_hub only for hub repo ids
-
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
-    except Exception as err:  # offline cache miss, unknown repo, gated repo, network error
-        where = "in the hub cache " + str(constants.HF_HUB_CACHE) if constants.HF_HUB_OFFLINE else "on the hub"
-        detail = " ".join(str(err).split())  # one line: a gated repo's message (Gemma's) spans several
-        raise CheckpointError(f"Hugging Face repo {repo_id!r} is not available {where}: {type(err).__name__}: {detail}") from None
 
 
 def _source_files(kind: str, path: Path) -> list[Path]:
@@ -122,7 +79,7 @@ def convert_source(source: str | Path, destination: Path, dtype: str = "float32"
     int8 linear weights (``weights``)."""
     conv.check_dtype(dtype)
     check_weights(weights)
-    kind, path = _resolve_source(source)
+    kind, path = resolve_source(source)
     if kind == "converted":
         raise CheckpointError(f"{path} is already a converted popjax checkpoint")
     converted = _convert(kind, path, dtype, weights)
@@ -227,7 +184,7 @@ def load(
       weights: how the decoder's linear layers (q/k/v, o, gate/up, down; MoE experts too) are
         stored and read: ``"float"`` (in ``dtype``) or ``"int8"`` (symmetric int8, one fp32 scale
         per output channel, applied after each dot: ~4x fewer bytes per decode step;
-        models/quant.py). The embeddings and LM head too (a scale per token row); norms and
+        popjax/kernels/int8.py). The embeddings and LM head too (a scale per token row); norms and
         biases stay in ``dtype``. None: "float" for a source, the converted directory's own
         format for one.
       activations: how an int8 model's dots read their activations: ``"float"`` (weight-only:
@@ -242,7 +199,7 @@ def load(
         check_weights(weights)
     if activations is not None and activations not in ACTIVATION_MODES:
         raise ValueError(f"activations={activations!r} is not supported; use one of {list(ACTIVATION_MODES)}")
-    kind, path = _resolve_source(source)
+    kind, path = resolve_source(source)
     if kind == "converted":
         directory = path
         made_with = ModelConfig.from_json(directory / "config.json").weights
@@ -261,8 +218,9 @@ def load(
         directory = converted_once(kind, path, dtype, weights or "float")
     sharding_of = None
     if mesh is not None:
-        sharding.check_mesh(ModelConfig.from_json(directory / "config.json"), mesh)
-        sharding_of = lambda name, shape: sharding.param_sharding(name, shape, mesh)
+        stored = ModelConfig.from_json(directory / "config.json")
+        sharding.check_mesh(stored, mesh)
+        sharding_of = lambda name, shape: sharding.param_sharding(name, shape, mesh, stored)
     cfg, params, meta = read_converted(directory, sharding_of)  # with a mesh: each device reads its blocks
     tokenizer = None
     if meta.get("tokenizer"):
@@ -317,7 +275,7 @@ def place_model(
     dtype_jnp = jnp.dtype(dtype)
     if scan_layers:
         abstract = abstract_scanned_model(cfg, dtype_jnp)  # ValueError for non-identical layers
-        tree = stack_layer_tree(tree, cfg.num_hidden_layers, stack=_stack_where_they_are(mesh))
+        tree = stack_layer_tree(tree, cfg.num_hidden_layers, stack=_stack_where_they_are(mesh, cfg))
     else:
         abstract = abstract_model(cfg, dtype_jnp)
     graphdef, state = nnx.split(abstract)
@@ -325,7 +283,7 @@ def place_model(
     place = lambda name, array, dt: jnp.asarray(array, dt)
     if mesh is not None:
         sharding.check_mesh(cfg, mesh)
-        place = lambda name, array, dt: sharding.place(name, array, dt, mesh)
+        place = lambda name, array, dt: sharding.place(name, array, dt, mesh, cfg)
     _fill(pure, tree, "", place)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
@@ -346,7 +304,7 @@ def place_model(
     return loaded
 
 
-def _stack_where_they_are(mesh: Any):
+def _stack_where_they_are(mesh: Any, cfg: ModelConfig):
     """-> stack(name, per-layer arrays) for `stack_layer_tree`: host arrays with ``np.stack``;
     device arrays (a sharded restore) with one compiled stack whose output has the stacked
     parameter's sharding (the layer axis unsplit, so each device stacks the blocks it already
@@ -356,7 +314,7 @@ def _stack_where_they_are(mesh: Any):
         if mesh is None or not isinstance(leaves[0], jax.Array):
             return np.stack([np.asarray(a) for a in leaves])
 
-        out = sharding.param_sharding(f"layer_stack.{name}", (len(leaves), *leaves[0].shape), mesh)
+        out = sharding.param_sharding(f"layer_stack.{name}", (len(leaves), *leaves[0].shape), mesh, cfg)
         return jax.jit(jnp.stack, out_shardings=out)(leaves)
 
     return stack

@@ -14,6 +14,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from popjax.models.interface import FFNWeights
+
 
 def silu(x):
     return x / (1.0 + np.exp(-x))
@@ -71,22 +73,19 @@ def random_layer(rng, d, f, act: str = "silu"):
     }
 
 
-def as_jax(W, layer: int = 0, act: str | None = None):
-    """Math layout -> the layer dict a plan receives: gate_up [2, f, d], down [d, f], down_norm [f],
-    the layer index and, unless it is SiLU, the gate activation's name ``"act"`` (``act`` or
-    ``W["act"]``). SiLU is what a plan assumes for a dict without one; leaving the name out then
-    keeps the dict a pytree of arrays, which ``jax.jit`` takes as an argument (a str leaf it does not)."""
+def as_jax(W, layer: int = 0, act: str | None = None, data=None) -> FFNWeights:
+    """Math layout -> the `FFNWeights` a plan receives: gate_up [2, f, d], down [d, f], down_norm
+    [f], the layer index, the gate activation's name (``act`` or ``W["act"]``, default SiLU) and
+    the method's calibrated ``data``."""
     down = np.asarray(W["down"], np.float32)
-    out = {
-        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
-        "down": jnp.asarray(down.T),
-        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
-        "layer": jnp.int32(layer),
-    }
-    name = act or W.get("act", "silu")
-    if name != "silu":
-        out["act"] = name
-    return out
+    return FFNWeights(
+        gate_up=jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
+        down=jnp.asarray(down.T),
+        down_norm=jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
+        layer=jnp.int32(layer),
+        data=data,
+        act=act or W.get("act", "silu"),
+    )
 
 
 def random_batch(rng, d, lengths, T, scale=None, varied_norms: bool = False):
@@ -117,7 +116,7 @@ def ref_quantize(w):
 def int8_layer(W):
     """Math-layout W -> (the layer dict of an int8 model: gate_up / down as `Int8Weight`s,
     down_norm of the dequantized down; the dequantized W in math layout, float64)."""
-    from popjax.models.quant import Int8Weight
+    from popjax.kernels.int8 import Int8Weight
 
     gate_up = np.concatenate([W["gate"].T, W["up"].T])  # [2f, d]: a scale per output row
     q_gu, s_gu = ref_quantize(gate_up)
@@ -126,12 +125,11 @@ def int8_layer(W):
     deq_gu = q_gu * s_gu[:, None]
     deq_d = q_d * s_d[:, None]
     W_deq = {"gate": deq_gu[:f].T, "up": deq_gu[f:].T, "down": deq_d.T, "act": W.get("act", "silu")}
-    layer = {
-        "gate_up": Int8Weight(jnp.asarray(q_gu.reshape(2, f, -1)), jnp.asarray(s_gu.reshape(2, f, 1), jnp.float32)),
-        "down": Int8Weight(jnp.asarray(q_d), jnp.asarray(s_d[:, None], jnp.float32)),
-        "down_norm": jnp.asarray(np.sqrt((deq_d ** 2).sum(0)), jnp.float32),
-        "layer": jnp.int32(0),
-    }
-    if W_deq["act"] != "silu":
-        layer["act"] = W_deq["act"]
+    layer = FFNWeights(
+        gate_up=Int8Weight(jnp.asarray(q_gu.reshape(2, f, -1)), jnp.asarray(s_gu.reshape(2, f, 1), jnp.float32)),
+        down=Int8Weight(jnp.asarray(q_d), jnp.asarray(s_d[:, None], jnp.float32)),
+        down_norm=jnp.asarray(np.sqrt((deq_d ** 2).sum(0)), jnp.float32),
+        layer=jnp.int32(0),
+        act=W_deq["act"],
+    )
     return layer, W_deq

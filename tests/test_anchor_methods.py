@@ -74,7 +74,7 @@ def test_wina_matches_reference(f, n_keep, k_x, aggregate, weight_norms):
     x = rng.normal(0, 1.0, (3, 1, d)) * rng.uniform(0.3, 2.0, (3, 1, d))
     valid = np.array([[True], [False], [True]])
     want, c = ref_wina_decode(W, x, valid, k_x, n_keep, aggregate, weight_norms)
-    w = {**as_jax(W), "data": {"wina": {"x_norm": jnp.asarray(c[None], jnp.float32)}}}
+    w = as_jax(W, data={"wina": {"x_norm": jnp.asarray(c[None], jnp.float32)}})
     y, _, _ = jax.jit(plan.decode)(w, None, jnp.asarray(x, jnp.float32), 0, jnp.asarray(valid))
     rows = [0, 2] if aggregate != "per_token" else [0, 1, 2]  # a shared mask: the invalid row is not compared
     np.testing.assert_allclose(np.asarray(y)[rows], want[rows], atol=ATOL)
@@ -94,7 +94,7 @@ def test_wina_weight_norm_changes_the_selection():
     outs = {}
     for norms in ("both", "x"):
         want, c = ref_wina_decode(W, x, np.ones((1, 1), bool), d, 1, "per_token", norms)
-        w = {**as_jax(W), "data": {"wina": {"x_norm": jnp.asarray(c[None], jnp.float32)}}}
+        w = as_jax(W, data={"wina": {"x_norm": jnp.asarray(c[None], jnp.float32)}})
         y, _, _ = WINAPlan(f=f, n_keep=1, k_x=d, weight_norms=norms).decode(w, None, jnp.asarray(x, jnp.float32), 0, jnp.ones((1, 1), bool))
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5)
         outs[norms] = np.asarray(y)
@@ -172,7 +172,7 @@ def test_glass_matches_reference(aggregate, lam, score):
     prior = rng.uniform(0.1, 3.0, f)
     X, valid = random_batch(rng, d, [5, 8, 2], T=8, varied_norms=True)
     plan = GLASSPlan(f=f, n_keep=n_keep, aggregate=aggregate, lam=lam, score=score)
-    w = {**as_jax(W), "data": {"glass": {"prior": jnp.asarray(prior[None], jnp.float32)}}}
+    w = as_jax(W, data={"glass": {"prior": jnp.asarray(prior[None], jnp.float32)}})
     y, state, _ = jax.jit(plan.prefill)(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
     H = ref_hidden(W, X)
     np.testing.assert_allclose(np.asarray(y)[valid], (H @ W["down"])[valid], atol=ATOL)  # the prompt runs dense
@@ -260,7 +260,7 @@ def test_larosa_matches_reference(f, k_h, k_x, aggregate):
     valid = np.array([[True], [False], [True]])
     want = ref_larosa_decode(W, Q, x, valid, k_x, k_h, aggregate)
     plan = LaRoSaPlan(f=f, n_keep=k_h, k_x=k_x, aggregate=aggregate)
-    w = {**as_jax(W), "data": {"larosa": {"rotation": jnp.asarray(Q[None], jnp.float32)}}}
+    w = as_jax(W, data={"larosa": {"rotation": jnp.asarray(Q[None], jnp.float32)}})
     y, _, _ = jax.jit(plan.decode)(w, None, jnp.asarray(x, jnp.float32), 0, jnp.asarray(valid))
     rows = [0, 2] if aggregate != "per_token" else [0, 1, 2]
     np.testing.assert_allclose(np.asarray(y)[rows], want[rows], atol=ATOL)
@@ -354,7 +354,7 @@ def test_principal_teal_matches_reference(rank, aggregate):
     plan = PrincipalTEALPlan(f=f, n_keep=20, rank=rank, k_x=8, aggregate=aggregate)
     data = {"basis": jnp.asarray(P[None], jnp.float32), "t_e": jnp.asarray([t_e], jnp.float32),
             "t_h": jnp.asarray([t_h], jnp.float32)}
-    y, _, aux = jax.jit(plan.decode)({**as_jax(W), "data": {"principal_teal": data}}, None, jnp.asarray(x, jnp.float32), 0,
+    y, _, aux = jax.jit(plan.decode)(as_jax(W, data={"principal_teal": data}), None, jnp.asarray(x, jnp.float32), 0,
                                      jnp.asarray(valid))
     rows = [0, 2] if aggregate != "per_token" else [0, 1, 2]
     np.testing.assert_allclose(np.asarray(y)[rows], want[rows], atol=ATOL)

@@ -277,7 +277,7 @@ def test_wanda_sp_statistic_matches_reference():
     stat = WandaSPInOrder(n_keep=n_keep)
     from popjax.methods.base import activations
 
-    h = activations(w["gate_up"], x)
+    h = activations(w.gate_up, x)
     got = stat.collect(w, x, v, h)
     H = ref_hidden(W, X)
     n_tok = int(valid.sum())
@@ -305,13 +305,13 @@ def test_selection_plan_matches_reference():
     kept = (tuple(sorted(rng.choice(f, 20, replace=False).tolist())), tuple(sorted(rng.choice(f, 9, replace=False).tolist())))
     bias = tuple(tuple(float(b) for b in rng.normal(0, 1, d).astype(np.float32)) for _ in kept)
     plan = SelectionPlan(f=f, n_keep=14, n_max=20)
-    data = selection_data(kept, bias)  # the method's data, as generate passes it (w["data"])
+    data = selection_data(kept, bias)  # the method's data, as generate passes it (w.data)
     assert data["kept"].shape == (2, 20) and data["bias"].shape == (2, d)
     assert plan.ffn_weights_read(d) == 3 * d * 20
     X, valid = random_batch(rng, d, [5, 2], T=5)
     x_t = rng.normal(0, 1.0, (2, 1, d))
     for layer in range(2):
-        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
+        w = as_jax(W, layer, data=data)
         y, state, _ = jax.jit(plan.prefill)(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
         y_t, _, _ = jax.jit(plan.decode)(w, state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
         k = list(kept[layer])

@@ -13,7 +13,7 @@ from popjax import engine
 from popjax.eval.teacher import teacher_forced
 from popjax.requests import pad_batch
 from popjax.sampling import first_argmax
-from popjax.models.attention import KV_BLOCK, PREFILL_BLOCK, cache_slots, cached_attention, causal_attention
+from popjax.kernels.attention import KV_BLOCK, PREFILL_BLOCK, cache_reader, cache_slots, cached_attention, causal_attention
 from tests.conftest import random_prompts
 
 ATOL = 1e-5
@@ -68,9 +68,12 @@ def test_cached_attention_reads_only_written_blocks_and_equals_full_softmax(writ
     q, k, v = _random_qkv(rng, 2, T, S)
     key_valid = np.ones((2, S), bool)
     key_valid[0, :3] = False  # left padding of the prompt
-    # garbage in unwritten slots must not matter
-    k[:, write_index + T :] = 1e4
-    got = cached_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(key_valid), jnp.int32(write_index))
+    # garbage in unwritten slots must not matter; the T fresh keys/values are passed, not read
+    fresh_k, fresh_v = jnp.asarray(k[:, write_index : write_index + T]), jnp.asarray(v[:, write_index : write_index + T])
+    k_cache, v_cache = k.copy(), v.copy()
+    k_cache[:, write_index:] = 1e4
+    read = cache_reader(jnp.asarray(k_cache), jnp.asarray(v_cache))
+    got = cached_attention(jnp.asarray(q), fresh_k, fresh_v, read, S, jnp.asarray(key_valid), jnp.int32(write_index))
     slots = np.arange(S)
     causal = slots[None, :] <= (write_index + np.arange(T))[:, None]  # [T, S]
     want = reference_attention(q, k, v, key_valid[:, None, :] & causal[None])

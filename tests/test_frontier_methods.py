@@ -15,9 +15,9 @@ import pytest
 
 import popjax
 from popjax.methods import MethodError, POPPlan, make_method, method_fields
-from popjax.methods.pop.gate_scored import GateScoredPlan, GateScoredPOP
-from popjax.methods.pop.layer_bands import BandDrift, LayerBandsPlan, LayerBandsPOP, allocate_bands, prompt_drift
-from popjax.methods.pop.low_rank import LowRankPlan, LowRankPOP, factors_from_weights, lowrank_data, lowrank_factors
+from popjax.methods.pop.gate_scored import gate_scored_plan, GateScoredPOP
+from popjax.methods.pop.layer_bands import BandDrift, layer_bands_plan, LayerBandsPOP, allocate_bands, prompt_drift
+from popjax.methods.pop.low_rank import lowrank_plan, LowRankPOP, factors_from_weights, lowrank_data, lowrank_factors
 from popjax.models.config import ModelConfig
 
 ATOL = 1e-5
@@ -101,16 +101,7 @@ def random_layer(rng, d, f):
     }
 
 
-def as_jax(W, layer=0, data=None):
-    """A layer's weights as the engine passes them; ``data``: the method's calibrated data (w["data"])."""
-    down = np.asarray(W["down"], np.float32)
-    w = {
-        "gate_up": jnp.asarray(np.stack([W["gate"].T, W["up"].T]), jnp.float32),
-        "down": jnp.asarray(down.T),
-        "down_norm": jnp.asarray(np.sqrt((down.astype(np.float64) ** 2).sum(1)), jnp.float32),
-        "layer": jnp.int32(layer),
-    }
-    return w if data is None else {**w, "data": data}
+from tests.reference import as_jax  # noqa: E402 — a layer's weights as the engine passes them (FFNWeights), with the method's data
 
 
 def random_batch(rng, d, lengths, T):
@@ -144,7 +135,7 @@ def jitted(plan):
 def run_and_compare(plan, W, X, valid, aggregate, m, ref_step, steps=3, seed=0, layer=0, data=None):
     """Prefill + ``steps`` decode steps of ``plan`` against the reference, group by group."""
     rng = np.random.default_rng(seed)
-    w = as_jax(W, layer, data)
+    w = as_jax(W, layer, data=data)
     prefill, decode = jitted(plan)
     y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
     parts = {}
@@ -178,7 +169,7 @@ def test_gate_scored_matches_reference(f, n_keep, gamma, aggregate):
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [5, 8, 3], T=8)
     n_r, n_c, m = sizes(f, n_keep, gamma)
-    plan = GateScoredPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate)
+    plan = gate_scored_plan(f=f, n_keep=n_keep, m=m, aggregate=aggregate)
     run_and_compare(plan, W, X, valid, aggregate, m, ref_gate_step)
     assert plan.ffn_weights_read(D) == 3 * D * n_r + D * n_c + 2 * D * m
     assert plan.ffn_flops_per_token(D) == 2 * plan.ffn_weights_read(D)
@@ -189,7 +180,7 @@ def test_gate_scored_over_all_channels_is_dynamic_by_gate_score():
     rng = np.random.default_rng(3)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [6, 4], T=6)
-    plan = GateScoredPlan(f=f, n_keep=n_keep, m=32)
+    plan = gate_scored_plan(f=f, n_keep=n_keep, m=32)
     assert (plan.n_retained, plan.n_candidates) == (0, f)
     w = as_jax(W)
     prefill, decode = jitted(plan)
@@ -216,12 +207,12 @@ def test_gate_scored_reads_pops_bytes_at_twice_the_band():
 # ------------------------------------------------------------------ low-rank
 
 
-def lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate, layers=1):
+def lowrank_setup(W, f, n_keep, gamma, rank, project, aggregate, layers=1):
     """-> (plan, m, the factors as the method's data)."""
     Ws = [W] * layers
     factors = factors_from_weights([np.stack([w["gate"].T, w["up"].T]) for w in Ws], rank)
     _, _, m = sizes(f, n_keep, gamma)
-    return LowRankPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project), m, lowrank_data(factors)
+    return lowrank_plan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, rank=rank, project=project), m, lowrank_data(factors)
 
 
 @pytest.mark.parametrize("project", ["gate_up", "gate"])
@@ -231,7 +222,7 @@ def test_lowrank_matches_reference(f, n_keep, gamma, rank, aggregate, project):
     rng = np.random.default_rng(f + n_keep + rank)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [5, 8], T=8)
-    plan, m, data = lowrank_plan(W, f, n_keep, gamma, rank, project, aggregate)
+    plan, m, data = lowrank_setup(W, f, n_keep, gamma, rank, project, aggregate)
     assert plan.requires_data
     step = lambda W_, R, C, x, m_: ref_lowrank_step(W_, R, C, x, m_, rank, project)
     run_and_compare(plan, W, X, valid, aggregate, m, step, data=data)
@@ -245,7 +236,7 @@ def test_lowrank_at_full_rank_gives_pops_exact_scores():
     rng = np.random.default_rng(11)
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [7, 4], T=7)
-    plan, m, data = lowrank_plan(W, f, n_keep, gamma, D, "gate_up", "shared")  # rank = min(d, f)
+    plan, m, data = lowrank_setup(W, f, n_keep, gamma, D, "gate_up", "shared")  # rank = min(d, f)
     pop = POPPlan(f=f, n_keep=n_keep, m=m)
     w = as_jax(W, data=data)
     args = (jnp.asarray(X, jnp.float32), jnp.asarray(valid))
@@ -337,9 +328,9 @@ def test_prompt_drift_matches_reference():
     w = as_jax(W)
     from popjax.methods.base import activations
 
-    h = activations(w["gate_up"], jnp.asarray(X, jnp.float32))
+    h = activations(w.gate_up, jnp.asarray(X, jnp.float32))
     for n_keep in (10, 30):
-        got = float(jax.jit(prompt_drift, static_argnums=3)(h, jnp.asarray(valid), w["down_norm"], n_keep))
+        got = float(jax.jit(prompt_drift, static_argnums=3)(h, jnp.asarray(valid), w.down_norm, n_keep))
         assert got == pytest.approx(ref_drift(W, X, valid, n_keep), abs=1e-6)
     stat = jax.jit(BandDrift(n_keep=30).collect)(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid), h)
     per_prompt = [ref_drift(W, X[b : b + 1], valid[b : b + 1], 30) for b in range(2)]
@@ -362,7 +353,7 @@ def test_allocation_matches_reference_and_meets_the_budget(seed):
 def test_layer_bands_match_reference_per_layer(aggregate):
     f, n_keep, bands = 96, 60, (0, 14, 5)
     rng = np.random.default_rng(9)
-    plan = LayerBandsPlan(f=f, n_keep=n_keep, m=10, bands=bands, aggregate=aggregate)
+    plan = layer_bands_plan(f=f, n_keep=n_keep, m=10, bands=bands, aggregate=aggregate)
     assert plan.ffn_weights_read(D) == round(np.mean([3 * D * n_keep + 2 * D * b for b in bands]))
     for layer, m_l in enumerate(bands):
         W = random_layer(rng, D, f)

@@ -20,7 +20,7 @@ import popjax
 from popjax import engine
 from popjax.cache import cache_root
 from popjax.eval.teacher import teacher_forced
-from popjax.models.attention import KV_BLOCK, ring_slots
+from popjax.kernels.attention import KV_BLOCK, ring_slots
 from popjax.models.config import ConfigError, ModelConfig
 from popjax.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -48,7 +48,7 @@ def test_greedy_generation_equals_transformers_past_the_window(name, tiny_checkp
 
 @pytest.mark.parametrize("name", ["gemma3-window", "gemma3-last-sliding"])
 def test_scanned_layers_equal_unrolled_with_mixed_layer_types(name, tiny_checkpoints):
-    """One scan over sliding and full layers (a cache stack per kind, models.stacked_attention.KindCaches):
+    """One scan over sliding and full layers (a cache stack per kind, models.scan.KindCaches):
     the prefill's logits and 12 teacher-forced decode steps past the window equal the unrolled
     model's, and generation equals it token for token."""
     directory, _ = tiny_checkpoints(name)
@@ -207,7 +207,7 @@ def _reference_attention(q, k, v, q_index, k_index, valid, window, scale):
 def test_windowed_flash_prefill_equals_reference():
     """A 1024-token prompt runs the blockwise prefill (two 512-blocks); with a window of 200 the
     first key block is outside every window of the second query block and is skipped."""
-    from popjax.models.attention import PREFILL_BLOCK, causal_attention
+    from popjax.kernels.attention import PREFILL_BLOCK, causal_attention
 
     T, window, scale = 2 * PREFILL_BLOCK, 200, 0.3
     rng = np.random.default_rng(0)
@@ -220,10 +220,10 @@ def test_windowed_flash_prefill_equals_reference():
     np.testing.assert_allclose(got[0, 37:], want[37:], atol=2e-5)
 
 
-def test_ring_attention_equals_reference_for_several_new_tokens():
+def test_ring_cache_attention_equals_reference_for_several_new_tokens():
     """Three fresh tokens at once after 21 cached ones, ring of 8 slots, window 8: the queries
     read the ring as it was plus the fresh keys; the fresh keys then overwrite the oldest slots."""
-    from popjax.models.attention import ring_attention, ring_from_prompt, ring_write
+    from popjax.kernels.attention import cache_reader, cached_attention, ring_from_prompt, ring_write
 
     rng = np.random.default_rng(1)
     S, window, ring, past, T, scale = 32, 8, 8, 21, 3, 0.25
@@ -233,9 +233,10 @@ def test_ring_attention_equals_reference_for_several_new_tokens():
     valid[0, :5] = False  # left padding
     k_ring = ring_from_prompt(jnp.asarray(k_all[:, :past]), past, ring)
     v_ring = ring_from_prompt(jnp.asarray(v_all[:, :past]), past, ring)
-    read = lambda start, size: (jax.lax.dynamic_slice_in_dim(k_ring, start, size, 1), jax.lax.dynamic_slice_in_dim(v_ring, start, size, 1))
+    read = cache_reader(k_ring, v_ring)
     fresh_k, fresh_v = jnp.asarray(k_all[:, past:past + T]), jnp.asarray(v_all[:, past:past + T])
-    got = np.asarray(ring_attention(jnp.asarray(q), fresh_k, fresh_v, read, ring, jnp.asarray(valid), jnp.int32(past), window, scale))
+    got = np.asarray(cached_attention(jnp.asarray(q), fresh_k, fresh_v, read, ring, jnp.asarray(valid), jnp.int32(past), window, scale,
+                                      ring=True))
     index = np.arange(past + T)
     want = _reference_attention(q[0], k_all[0, :past + T], v_all[0, :past + T], past + np.arange(T), index,
                                 valid[0, :past + T], window, scale)

@@ -96,7 +96,7 @@ def sweep(gemma, ready):
     methods = {name: ready(name) for name in sorted(METHODS)}
     results = {name: {} for name in methods}
     for layout, model in (("unrolled", unrolled), ("scanned", scanned)):
-        names = [n for n, m in methods.items() if layout == "unrolled" or m.bind(model.config).layer_schedule(L) is None]
+        names = [n for n, m in methods.items() if layout == "unrolled" or m.bind(model.config).layer_control(L) is None]
         plans = tuple(methods[n].bind(model.config) for n in names)
         data = tuple(methods[n].data(model) for n in names)
         with_prefill = tuple(n in PREFILL_OUTPUTS for n in names)
@@ -213,7 +213,7 @@ def test_every_method_runs_on_gemma3_unrolled_and_scanned(gemma, ready, sweep, n
     if "scanned" not in got:
         method = ready(name)
         plan = method.bind(scanned.config)
-        assert plan.layer_schedule(scanned.config.num_hidden_layers) is not None
+        assert plan.layer_control(scanned.config.num_hidden_layers) is not None
         prompts, targets = sweep_data(unrolled.config.vocab_size)
         tokens, mask = pad_batch(prompts, 0)
         with pytest.raises(ValueError, match=r"per-layer schedules.*unrolled model"):

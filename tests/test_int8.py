@@ -1,4 +1,4 @@
-"""Weight-only int8 (models/quant.py; `popjax.load(..., weights="int8")`): the quantized linear
+"""Weight-only int8 (popjax/kernels/int8.py; `popjax.load(..., weights="int8")`): the quantized linear
 layer against NumPy, POP on int8 weights against the NumPy POP reference on the dequantized
 weights, an int8 model against the float model of its dequantized weights (every registered
 method, a MoE model, scanned layers), the converted store, and bad input."""
@@ -24,7 +24,7 @@ from popjax.loaded import with_scanned_layers
 from popjax.loading import build_model, place_model
 from popjax.methods import METHODS, POPPlan, make_method
 from popjax.models import layers
-from popjax.models.quant import TWO_PASS, Int8Weight, dot, quantize
+from popjax.kernels.int8 import TWO_PASS, Int8Weight, dot, quantize
 from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
 from tests.test_methods_reference import ref_pop_decode, ref_prefill
 
@@ -228,6 +228,26 @@ def test_int8_activations_model_stays_close(tiny_checkpoints):
         nll, _, _ = engine.teacher_force(fast.graphdef, fast.params, method.bind(fast.config), jnp.asarray(tokens),
                                          jnp.asarray(mask), targets, data=method.data(fast))
         assert np.all(np.isfinite(np.asarray(nll))), name
+
+
+def int8_state_formats(model, name: str) -> list[str]:
+    """How every int8 array in a plan's state after prefill reads its activations ("int8" or
+    "float"): the per-step row copies must keep their model's format."""
+    plan = make_method(name).bind(model.config)
+    tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
+    _, _, states, _ = engine.prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(mask), plan)
+    leaves = jax.tree_util.tree_leaves(states, is_leaf=lambda a: isinstance(a, Int8Weight))
+    return sorted({a.activations for a in leaves if isinstance(a, Int8Weight)})
+
+
+def test_step_rows_keep_int8_activations(tiny_checkpoints):
+    """Gate-scored and shortlisted POP copy per-step rows (`sharding.take_split_rows`) out of an
+    int8 model: the copies read their activations as the model does (int8 here), not weight-only.
+    The same on a mesh: tests/test_sharding.py's worker."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    model = popjax.load(directory, cache=False, weights="int8", activations="int8")
+    for name in ("pop-gate", "pop-shortlist"):
+        assert int8_state_formats(model, name) == ["int8"], name
 
 
 def test_int8_scanned_layers_and_moe(int8_pair):

@@ -147,11 +147,11 @@ def moe_layer():
     return cfg, hf, nnx.merge(loaded.graphdef, loaded.params).layers[0].mlp
 
 
-def _moe(mlp, fn, state, x, dispatch="auto"):
+def _moe(mlp, fn, state, x, valid, dispatch="auto"):
     """moe_mlp under jit (eager vmaps are slow): -> (y, state, aux)."""
     graphdef, params = nnx.split(mlp)
-    run = lambda p, s, x: moe_mlp(nnx.merge(graphdef, p), fn, s, x, jnp.int32(0), dispatch=dispatch)
-    return jax.jit(run)(params, state, x)
+    run = lambda p, s, x, v: moe_mlp(nnx.merge(graphdef, p), fn, s, x, v, jnp.int32(0), dispatch=dispatch)
+    return jax.jit(run)(params, state, x, valid)
 
 
 def _h(gate, up, x):
@@ -213,10 +213,11 @@ def _reference(hf, x, valid, x_t, valid_t, n_keep, m):
     return y, y_t, parts
 
 
-def _engine_fns(plan, valid, valid_t):
-    """The mlp_fn lambdas exactly as popjax.engine builds them (``routed`` narrows ``valid``)."""
-    prefill = lambda w, s, x, routed=None: plan.prefill(w, x, valid if routed is None else valid & routed)
-    decode = lambda w, s, x, routed=None: plan.decode(w, s, x, jnp.int32(0), valid_t if routed is None else valid_t & routed)
+def _engine_fns(plan):
+    """The FFN functions as popjax.engine builds them (each block gets its rows: ``valid`` narrowed
+    to the tokens routed to it)."""
+    prefill = lambda w, s, x, rows: plan.prefill(w, x, rows)
+    decode = lambda w, s, x, rows: plan.decode(w, s, x, jnp.int32(0), rows)
     return prefill, decode
 
 
@@ -237,11 +238,11 @@ def test_per_expert_pop_matches_numpy(moe_layer, aggregate, batch):
     x_t = np.abs(rng.normal(size=(batch, 1, D)))
     valid_t = np.ones((batch, 1), bool)
     valid_t[-1] = batch == 1  # a stopped row in the batch
-    prefill, decode = _engine_fns(plan, jnp.asarray(valid), jnp.asarray(valid_t))
-    y, state, _ = _moe(mlp, prefill, None, jnp.asarray(x, jnp.float32))
+    prefill, decode = _engine_fns(plan)
+    y, state, _ = _moe(mlp, prefill, None, jnp.asarray(x, jnp.float32), jnp.asarray(valid))
     outs = {}
     for dispatch in ("dense", "auto"):  # auto gathers the ≤ 2·batch routed experts of 8
-        outs[dispatch] = _moe(mlp, decode, state, jnp.asarray(x_t, jnp.float32), dispatch)
+        outs[dispatch] = _moe(mlp, decode, state, jnp.asarray(x_t, jnp.float32), jnp.asarray(valid_t), dispatch)
     np.testing.assert_allclose(outs["auto"][0], outs["dense"][0], atol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), outs["auto"][1], outs["dense"][1])
     y_t, _, aux = outs["auto"]
@@ -263,10 +264,10 @@ def test_per_expert_pop_matches_numpy(moe_layer, aggregate, batch):
 
 def test_never_routed_expert_gets_the_weight_only_ranking(moe_layer):
     cfg, hf, mlp = moe_layer
-    plan = popjax.POP(0.3).bind(cfg)
+    plan = popjax.POP(0.3, aggregate="shared").bind(cfg)
     x = jnp.asarray(np.abs(np.random.default_rng(5).normal(size=(2, 9, D))), jnp.float32)
     valid = jnp.ones((2, 9), bool)
-    _, state, aux = _moe(mlp, _engine_fns(plan, valid, valid[:, :1])[0], None, x)
+    _, state, aux = _moe(mlp, _engine_fns(plan)[0], None, x, valid)
     assert not np.any(np.asarray(aux["router_topk"]) == NEVER)
     p = f"layers.0.mlp.experts.{NEVER}."
     score = _weight_score(hf[p + "gate"], hf[p + "up"], hf[p + "down"])
@@ -296,8 +297,8 @@ def test_generation_compiles_once_per_bucket_and_traces_experts(moe_checkpoints)
         popjax.generate_ids(model, [prompts[1]], max_new_tokens=6, method=method)
         popjax.generate_ids(model, [prompts[2]], max_new_tokens=9, method=method)
         assert engine.compile_counts() == before, method
-    plan = popjax.POP(0.2).bind(model.config)
-    ids, trace = popjax.generate_ids(model, prompts[:2], max_new_tokens=5, method=popjax.POP(0.2), return_trace=True, stop_ids=[])
+    plan = popjax.POP(0.2, aggregate="shared").bind(model.config)
+    ids, trace = popjax.generate_ids(model, prompts[:2], max_new_tokens=5, method=popjax.POP(0.2, aggregate="shared"), return_trace=True, stop_ids=[])
     L = model.config.num_hidden_layers
     assert trace["partition"]["experts"]["retained_idx"].shape == (L, 8, plan.n_keep - plan.m)
     assert trace["prefill"]["experts"]["importance"].shape == (L, 8, 32)

@@ -128,8 +128,9 @@ def test_generate_traces_a_model_mixing_dense_and_moe_layers(models, ready):
     """POP's trace (return_trace=True) on the mixed model: partitions, prefill and decode aux
     stacked over layers, the dense layer's entries zero-padded into the MoE layout."""
     model, _ = models("qwen2_moe")
-    plan = ready("pop").bind(model.config)
-    ids, trace = popjax.generate_ids(model, PROMPTS["qwen2_moe"], max_new_tokens=3, method=ready("pop"),
+    method = popjax.POP(aggregate="shared")  # one partition for the batch: [L, ...] trace entries
+    plan = method.bind(model.config)
+    ids, trace = popjax.generate_ids(model, PROMPTS["qwen2_moe"], max_new_tokens=3, method=method,
                                      stop_ids=[], return_trace=True)
     assert [len(row) for row in ids] == [3, 3]
     assert trace["prefill"]["experts"]["importance"].shape == (2, 8, 16)
@@ -382,10 +383,12 @@ def test_lowrank_factors_per_block_match_numpy_svd(models, ready):
 # ---------------------------------------------------------------- per-block constants at run time
 
 
-def _layer_fn(model, fn, state, x):
-    """Layer 0's MoE FFN under ``fn`` (the engine's mlp_fn), jitted -> (y, state, aux)."""
+def _layer_fn(model, fn, state, x, valid=None):
+    """Layer 0's MoE FFN under ``fn`` (the engine's FFN function), jitted -> (y, state, aux);
+    ``valid`` [B, T] (default: every token)."""
     graphdef, params = nnx.split(nnx.merge(model.graphdef, model.params).layers[0].mlp)
-    return jax.jit(lambda p, s, x: moe_mlp(nnx.merge(graphdef, p), fn, s, x, jnp.int32(0)))(params, state, x)
+    valid = jnp.ones(x.shape[:2], bool) if valid is None else jnp.asarray(valid)
+    return jax.jit(lambda p, s, x, v: moe_mlp(nnx.merge(graphdef, p), fn, s, x, v, jnp.int32(0)))(params, state, x, valid)
 
 
 def _combine(model, hf, x, per_slot):
@@ -417,7 +420,7 @@ def test_selection_plan_uses_each_blocks_channels_and_bias(models):
     plan = SelectionPlan(f=f, n_keep=8, n_max=max(map(len, kept)), blocks=S)
     data = selection_data(kept, bias.astype(np.float32), blocks=S)
     x = rng.normal(size=(2, 5, d))
-    y, _, _ = _layer_fn(model, lambda w, s, x, routed=None: plan.prefill({**w, "data": data}, x, None), None,
+    y, _, _ = _layer_fn(model, lambda w, s, x, rows: plan.prefill(w.replace(data=data), x, None), None,
                         jnp.asarray(x, jnp.float32))
     ffns = _slot_ffns(model, hf, 0)
 
@@ -437,8 +440,8 @@ def test_teal_decode_uses_each_experts_thresholds(models):
     data = thresholds_data({"x": t_x, "h": t_h})
     x = rng.normal(size=(3, 1, 32))
     valid = np.array([[True], [True], [False]])  # a stopped row takes no part in any aggregate
-    fn = lambda w, s, x, routed=None: plan.decode({**w, "data": data}, s, x, jnp.int32(0), jnp.asarray(valid) & routed)
-    y, _, aux = _layer_fn(model, fn, None, jnp.asarray(x, jnp.float32))
+    fn = lambda w, s, x, rows: plan.decode(w.replace(data=data), s, x, jnp.int32(0), rows)
+    y, _, aux = _layer_fn(model, fn, None, jnp.asarray(x, jnp.float32), valid)
     routed = _routed(model, hf, 0, x[:, :, :]) & valid[None]
     ffns = _slot_ffns(model, hf, 0)
 

@@ -1,6 +1,7 @@
 """The notebooks run top to bottom (small sizes) and their plots render: on the real default
 model cut to two layers (conftest.short_default_model_dir), which a cell the test adds after the
-setup cell hands to `popjax.load()`; the notebooks in git load the whole model."""
+setup cell hands to `popjax.load()` for the default source (other named sources, the quickstart's
+Gemma 3 270M, load whole); the notebooks in git load the whole model."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def test_notebook_runs_and_plots_render(path, tmp_path, monkeypatch, short_defau
     nb = nbformat.read(path, as_version=4)
     setup = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
     assert "import popjax" in nb.cells[setup].source  # the setup cell, then the two-layer model
-    nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(
-        f"import functools\npopjax.load = functools.partial(popjax.load, {str(short_default_model_dir)!r})"))
+    nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(  # the default source only: other named sources load as named
+        f"_load = popjax.load\npopjax.load = lambda source=popjax.DEFAULT_MODEL, *a, **k: "
+        f"_load({str(short_default_model_dir)!r} if source == popjax.DEFAULT_MODEL else source, *a, **k)"))
     NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     pngs = []
     for cell in nb.cells:

@@ -106,7 +106,7 @@ def test_xla_cost_analysis_overhead_within_four_percent():
 
 def test_trace_reports_partitions_and_selections(tiny_model):
     prompts, _ = _data(tiny_model, seed=3)
-    method = popjax.POP(ratio=0.3, gamma=0.2)
+    method = popjax.POP(ratio=0.3, gamma=0.2, aggregate="shared")  # one partition for the batch: [L, n] entries
     plan = method.bind(tiny_model.config)
     ids, trace = popjax.generate_ids(tiny_model, prompts, max_new_tokens=6, method=method, stop_ids=[], return_trace=True)
     L = tiny_model.config.num_hidden_layers
@@ -163,7 +163,7 @@ def test_gather_weights_equal_compact_copies(tiny_model, options):
     plan = gather.bind(tiny_model.config)
     assert plan.compact_weights is False and compact.bind(tiny_model.config).compact_weights is True
     x = np.zeros((2, 3, tiny_model.config.hidden_size), np.float32)
-    w = nnx.merge(tiny_model.graphdef, tiny_model.params).layers[0].mlp.as_dict()
+    w = nnx.merge(tiny_model.graphdef, tiny_model.params).layers[0].mlp.ffn_weights(0)
     _, state, _ = plan.prefill(w, x, np.ones((2, 3), bool))
     assert sorted(state) == ["candidate_idx", "down_norm_candidates", "retained_idx"]
 

@@ -166,10 +166,10 @@ def test_skipping_changes_generation_and_decode_uses_every_layer(tiny):
 def test_composes_with_pop_and_traces_every_layer(tiny):
     model, _ = tiny
     prompts = random_prompts(np.random.default_rng(3), [9, 12], model.config.vocab_size)
-    method = popjax.PrefillOnly(skip=[1]) + popjax.POP(ratio=0.3, gamma=0.2)
-    assert make_method("prefill-only+pop", skip=[1], ratio=0.3, gamma=0.2) == method
+    method = popjax.PrefillOnly(skip=[1]) + popjax.POP(ratio=0.3, gamma=0.2, aggregate="shared")
+    assert make_method("prefill-only+pop", skip=[1], ratio=0.3, gamma=0.2, aggregate="shared") == method
     ids, trace = popjax.generate_ids(model, prompts, 6, method=method, stop_ids=[], return_trace=True)
-    plan = popjax.POP(ratio=0.3, gamma=0.2).bind(model.config)
+    plan = popjax.POP(ratio=0.3, gamma=0.2, aggregate="shared").bind(model.config)
     assert trace["partition"]["candidate_idx"].shape == (2, plan.n_candidates)
     # the skipped layer's prefill importance comes from the boundary token alone
     assert (trace["prefill"]["importance"][1] > 0).any()

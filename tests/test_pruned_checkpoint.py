@@ -63,8 +63,8 @@ class RawActivations(Statistic):
 
     def output(self, w, x, valid, h):
         if self.table is not None:
-            h = h * jnp.asarray(self.table, h.dtype)[w["layer"]]
-        return jnp.einsum("btf,df->btd", h, w["down"])
+            h = h * jnp.asarray(self.table, h.dtype)[w.layer]
+        return jnp.einsum("btf,df->btd", h, w.down)
 
 
 def capture_activations(model, corpus, kept=None) -> np.ndarray:

@@ -23,6 +23,7 @@ import popjax
 from popjax import engine
 from popjax.requests import GenerationRequest, pad_batch
 from popjax.loading import build_model
+from popjax.models.interface import CacheView, FFNHook, ModelInputs
 from popjax.loaded import with_scanned_layers
 from popjax.methods.teal import TEALPlan, thresholds_data
 from popjax.models.config import ModelConfig
@@ -222,7 +223,7 @@ def test_load_with_mesh_and_scan_layers(models, tmp_path):
     assert scanned.mesh is mesh
     gate_up = nnx.to_pure_dict(scanned.params)["layer_stack"]["mlp"]["gate_up"]
     assert gate_up.shape == (2, 2, 96, 64) and gate_up.sharding.mesh.shape == mesh.shape
-    assert sharding.param_axes("layer_stack.mlp.gate_up") == ("layers", "mlp_pair", "mlp", "embed")
+    assert sharding.param_axes("layer_stack.mlp.gate_up", scanned.config) == ("layers", "mlp_pair", "mlp", "embed")
     unrolled = models["llama"][0]  # the same random weights, unsharded
     method = METHODS["pop-shared"]
     run = lambda model: popjax.generate_ids(model, PROMPTS, NEW_TOKENS, method=method, ignore_eos=True, return_trace=True)
@@ -255,15 +256,16 @@ def test_non_identical_layers_are_refused():
 
 def test_per_layer_steering_is_refused(models):
     _, scanned = models["llama"]
-    with pytest.raises(ValueError, match=r"schedule=LayerSchedule\(modes=\('full', 'kv'\).*per-layer schedules.*unrolled model"):
+    with pytest.raises(ValueError, match=r"layer modes \('full', 'kv'\): a layer control that treats layers differently.*unrolled model"):
         popjax.generate_ids(scanned, PROMPTS, 4, method=popjax.PrefillOnly(skip=1))
     tokens, mask = pad_batch(PROMPTS, 0)
     gates = jnp.ones((2, *tokens.shape))
     with pytest.raises(ValueError, match=r"gates of shape \(2, 2, 32\).*unrolled model"):
         engine.prefill(scanned.graphdef, scanned.params, jnp.asarray(tokens), jnp.asarray(mask),
                        popjax.Dense().bind(scanned.config), all_logits=True, gates=gates)
-    with pytest.raises(ValueError, match=r"mlp_fn holds 2 different per-layer functions"):
+    with pytest.raises(ValueError, match=r"the FFN hook holds 2 different per-layer functions"):
         module = nnx.merge(scanned.graphdef, scanned.params)
-        fns = [lambda w, s, x: (x, s, {}), lambda w, s, x: (x, s, {})] * 2
-        module(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(mask, bool), fns[:3], None)
+        fns = [lambda w, s, x, v: (x, s, {}), lambda w, s, x, v: (x, s, {})] * 2
+        valid = jnp.asarray(mask, bool)
+        module(ModelInputs(jnp.asarray(tokens), jnp.asarray(mask)), cache=CacheView(None, valid), ffn=FFNHook(fns[:3], None, valid))
     assert isinstance(nnx.merge(scanned.graphdef, scanned.params), ScannedTransformer)

@@ -85,11 +85,11 @@ def test_every_parameter_has_logical_axes_of_its_rank():
         leaves = list(sharding.param_paths(nnx.to_pure_dict(model.params)))
         assert len(leaves) > 10
         for path, leaf in leaves:
-            axes = sharding.param_axes(path)
+            axes = sharding.param_axes(path, cfg)
             assert len(axes) == leaf.ndim, (path, axes, leaf.shape)
             assert all(a in sharding.RULES for a in axes)
     # the FFN channel axis lands on "model", the hidden size is replicated
-    assert sharding.partition_spec(sharding.param_axes("layers.0.mlp.down"), {"data": 2, "model": 4}) == P(None, "model")
+    assert sharding.partition_spec(sharding.param_axes("layers.0.mlp.down", tiny_config()), {"data": 2, "model": 4}) == P(None, "model")
     assert sharding.partition_spec(sharding.CACHE_AXES, {"data": 2, "model": 4}) == P("data", None, "model", None)
     # a mesh axis of size 1 is dropped, so the single-device spec is fully replicated
     assert sharding.partition_spec(sharding.CACHE_AXES, {"data": 1, "model": 1}) == P(None, None, None, None)
@@ -136,10 +136,19 @@ def test_unknown_logical_axis_and_parameter_are_errors():
 
     with pytest.raises(ValueError, match=r"unknown logical axis 'vision_patches'.*valid axes"):
         sharding.partition_spec(("vision_patches", "embed"))
-    with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.lora_a' has no logical axes"):
-        sharding.param_axes("layers.0.mlp.lora_a")
-    # MoE parameters have axes: expert stacks replicated, each expert's channels over "model"
-    assert sharding.param_axes("layers.3.mlp.experts.gate_up") == ("experts", "mlp_pair", "mlp", "embed")
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.lora_a' has no logical axes: the llama model declares"):
+        sharding.param_axes("layers.0.mlp.lora_a", tiny_config())
+    # MoE parameters declare axes: expert stacks replicated, each expert's channels over "model"
+    from popjax.models.config import ModelConfig
+
+    moe = ModelConfig.from_hf_dict(dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    assert sharding.param_axes("layers.1.mlp.experts.gate_up", moe) == ("experts", "mlp_pair", "mlp", "embed")
+    # int8 scales declare their weight's axes, none on the input axis
+    import dataclasses
+
+    assert sharding.param_axes("layers.0.mlp.gate_up_scale", dataclasses.replace(tiny_config(), weights="int8")) == ("mlp_pair", "mlp", None)
 
 
 def test_mesh_that_does_not_divide_the_model_is_an_error():
@@ -224,13 +233,12 @@ def test_pop_per_shard_matches_reference():
 
     rng = np.random.default_rng(3)
     cfg = tiny_config(intermediate_size=64)
-    plan = POP(0.3, partition="per_shard", shards=4, gamma=0.25).bind(cfg)
+    plan = POP(0.3, partition="per_shard", shards=4, gamma=0.25, aggregate="shared").bind(cfg)
     assert isinstance(plan, POPShardedPlan) and plan.shards == 4 and plan.m >= 1
     keep, m = plan.n_keep // 4, plan.m
     d, f = 64, 64
     gate, up, down = (rng.normal(size=s) * 0.3 for s in ((f, d), (f, d), (d, f)))
-    w = {"gate_up": jnp.asarray(np.stack([gate, up]), jnp.float32), "down": jnp.asarray(down, jnp.float32)}
-    w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
+    w = _ffn_weights(np.stack([gate, up]), down)
     X = rng.normal(size=(2, 5, d))
     valid = np.ones((2, 5), bool)
     valid[1, :2] = False  # left padding stays out of the ranking
@@ -248,6 +256,16 @@ def test_pop_per_shard_matches_reference():
     np.testing.assert_allclose(np.asarray(y)[:1], want, atol=ATOL)
 
 
+def _ffn_weights(gate_up, down):
+    """gate_up [2, f, d], down [d, f] (numpy) -> the FFNWeights a plan receives."""
+    import jax.numpy as jnp
+
+    from popjax.models.interface import FFNWeights
+
+    down = jnp.asarray(down, jnp.float32)
+    return FFNWeights(jnp.asarray(gate_up, jnp.float32), down, jnp.sqrt(jnp.sum(down**2, axis=0)))
+
+
 def test_pop_per_shard_with_one_shard_is_global_pop():
     import jax.numpy as jnp
 
@@ -255,11 +273,9 @@ def test_pop_per_shard_with_one_shard_is_global_pop():
 
     rng = np.random.default_rng(4)
     cfg = tiny_config(intermediate_size=64)
-    one, glob = POP(0.3, partition="per_shard", shards=1).bind(cfg), POP(0.3).bind(cfg)
+    one, glob = POP(0.3, partition="per_shard", shards=1, aggregate="shared").bind(cfg), POP(0.3, aggregate="shared").bind(cfg)
     assert (one.n_keep, one.m) == (glob.n_keep, glob.m)
-    w = {"gate_up": jnp.asarray(rng.normal(size=(2, 64, 64)) * 0.3, jnp.float32),
-         "down": jnp.asarray(rng.normal(size=(64, 64)) * 0.3, jnp.float32)}
-    w["down_norm"] = jnp.sqrt(jnp.sum(w["down"] ** 2, axis=0))
+    w = _ffn_weights(rng.normal(size=(2, 64, 64)) * 0.3, rng.normal(size=(64, 64)) * 0.3)
     x, valid = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32), jnp.ones((2, 4), bool)
     (y1, s1, _), (y2, s2, _) = one.prefill(w, x, valid), glob.prefill(w, x, valid)
     assert np.asarray(s1["retained_idx"])[0].tolist() == np.asarray(s2["retained_idx"]).tolist()
@@ -447,7 +463,7 @@ def restore_straight_into_shardings(cfg, tree, placed) -> dict:
             path = dotted(keys)
             # ‖W_d[:, j]‖₂ is computed after loading (per layer, or on the stack): rounding only
             (derived if path.endswith("down_norm") else diffs).append(float(np.abs(np.asarray(a) - np.asarray(b)).max()))
-            if not a.sharding.is_equivalent_to(sharding.param_sharding(path, tuple(a.shape), mesh), a.ndim):
+            if not a.sharding.is_equivalent_to(sharding.param_sharding(path, tuple(a.shape), mesh, cfg), a.ndim):
                 wrong.append(path)
         out[layout] = {"leaves": len(diffs), "max_abs_diff": max(diffs), "max_abs_diff_derived": max(derived),
                        "wrong_shardings": wrong}
@@ -490,6 +506,12 @@ def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
         got = _teacher(sharded[(2, 4)], plan, tokens, mask, targets)[: len(PROMPTS)]
         out["methods"][name] = {"(2, 4)": {"max_abs_logprob_diff": float(np.abs(got - want).max()),
                                            "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}}
+    # per-step row copies of an int8-activation model keep its activation format on a mesh too
+    from tests.test_int8 import int8_state_formats
+
+    fast = build_model(dataclasses.replace(cfg8, activations="int8"), tree, None, "tiny-int8", "float32", sharding.make_mesh((2, 4)))
+    with sharding.use_mesh(fast):
+        out["step_row_formats"] = {name: int8_state_formats(fast, name) for name in ("pop-gate", "pop-shortlist")}
     return out
 
 
@@ -602,13 +624,14 @@ def test_eight_devices_other_methods(eight_devices):
 
 @pytest.mark.slow  # starts the 8-device worker process
 def test_eight_devices_int8_weights(eight_devices):
-    """An int8 model (models/quant.py) on meshes (1, 8) and (2, 4): every scale is split like
+    """An int8 model (popjax/kernels/int8.py) on meshes (1, 8) and (2, 4): every scale is split like
     the output axes of its weight, and dense, static and POP (shared, per shard) give one
     device's log-probabilities and greedy choices on the (2, 4) mesh."""
     int8 = eight_devices["int8"]
     assert int8["scales_checked"] >= 8 and not int8["scales_split_unlike_weights"], int8
     assert set(int8["methods"]) == set(INT8_METHODS)
     check_methods({"methods": int8["methods"]})
+    assert int8["step_row_formats"] == {"pop-gate": ["int8"], "pop-shortlist": ["int8"]}, int8["step_row_formats"]
 
 
 @pytest.mark.slow  # starts the 8-device worker process

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from popjax.methods import GateScoredPlan, MethodError, POPPlan, make_method, method_fields
-from popjax.methods.pop.shortlist import ShortlistPlan, ShortlistPOP, ShortlistScorer
-from popjax.methods.pop.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
+from popjax.methods import MethodError, POPPlan, make_method, method_fields
+from popjax.methods.pop.gate_scored import gate_scored_plan
+from popjax.methods.pop.shortlist import shortlist_plan, ShortlistPOP, ShortlistScorer
+from popjax.methods.pop.shortlist_dynamic import ShortlistDynamic, shortlist_dynamic_plan
 from tests.test_frontier_methods import (
     ATOL, CASES, D, as_jax, dnorm, group_norm, groups, jitted, random_batch, random_layer, ref_partition,
     ref_select_and_apply, run_and_compare, silu, sizes, tiny_config,
@@ -51,7 +52,7 @@ def test_shortlist_matches_reference(f, n_keep, gamma, sigma, aggregate):
     X, valid = random_batch(rng, D, [5, 8, 3], T=8)
     n_r, n_c, m = sizes(f, n_keep, gamma)
     s = shortlist_size(m, n_c, sigma)
-    plan = ShortlistPlan(f=f, n_keep=n_keep, m=m, s=s, aggregate=aggregate)
+    plan = shortlist_plan(f=f, n_keep=n_keep, m=m, s=s, aggregate=aggregate)
     run_and_compare(plan, W, X, valid, aggregate, m, ref_shortlist_step(s))
     assert plan.ffn_weights_read(D) == 3 * D * n_r + D * n_c + D * s + D * m
 
@@ -75,8 +76,8 @@ def test_shortlist_ends_are_gate_scored_pop_and_pop(sigma):
     the selection may differ), each at the other's bytes."""
     f, n_keep, gamma = 96, 67, 0.4
     n_r, n_c, m = sizes(f, n_keep, gamma)
-    plan = ShortlistPlan(f=f, n_keep=n_keep, m=m, s=shortlist_size(m, n_c, sigma))
-    other = (GateScoredPlan if sigma == 0.5 else POPPlan)(f=f, n_keep=n_keep, m=m)
+    plan = shortlist_plan(f=f, n_keep=n_keep, m=m, s=shortlist_size(m, n_c, sigma))
+    other = (gate_scored_plan if sigma == 0.5 else POPPlan)(f=f, n_keep=n_keep, m=m)
     assert plan.ffn_weights_read(D) == other.ffn_weights_read(D)
     assert_same_selections(plan, other, np.random.default_rng(11))
 
@@ -127,7 +128,7 @@ def test_shortlist_dynamic_matches_reference(aggregate, prior):
     W = random_layer(rng, D, f)
     X, valid = random_batch(rng, D, [5, 8, 3], T=8)
     x_steps = [rng.normal(0, 1.0, (3, 1, D)) for _ in range(3)]
-    plan = ShortlistDynamicPlan(f=f, n_keep=n_keep, s=s, prior=prior, aggregate=aggregate)
+    plan = shortlist_dynamic_plan(f=f, n_keep=n_keep, s=s, prior=prior, aggregate=aggregate)
     prefill, decode = jitted(plan)
     w = as_jax(W)
     y, state, _ = prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
@@ -144,7 +145,8 @@ def test_shortlist_dynamic_matches_reference(aggregate, prior):
 
 def test_shortlist_dynamic_at_full_shortlist_selects_what_dynamic_selects():
     cfg = tiny_config(f=96)
-    plan, dynamic = ShortlistDynamic(0.3, shortlist=1.0).bind(cfg), make_method("dynamic", ratio=0.3).bind(cfg)
+    plan = ShortlistDynamic(0.3, shortlist=1.0, aggregate="shared").bind(cfg)
+    dynamic = make_method("dynamic", ratio=0.3, aggregate="shared").bind(cfg)
     assert plan.scorer.s == plan.f and plan.ffn_weights_read(D) == dynamic.ffn_weights_read(D)
     rng = np.random.default_rng(3)
     w = as_jax(random_layer(rng, D, plan.f))
@@ -160,7 +162,7 @@ def test_shortlist_dynamic_at_full_shortlist_selects_what_dynamic_selects():
 def test_shortlist_dynamic_sizes_and_errors():
     cfg = tiny_config(f=200)
     plan = make_method("dynamic-shortlist", ratio=0.2, shortlist=0.9).bind(cfg)
-    assert plan == ShortlistDynamicPlan(f=200, n_keep=plan.n_keep, s=180, prior="up")
+    assert plan == shortlist_dynamic_plan(f=200, n_keep=plan.n_keep, s=180, prior="up", aggregate="per_sequence")
     assert plan.scorer == ShortlistScorer(s=180, prior="up") and plan.m == plan.n_keep and plan.n_retained == 0
     assert ShortlistDynamic(0.2, shortlist=0.01).bind(cfg).scorer.s == plan.n_keep  # never below n_keep
     for bad in (0, -0.5, 1.5, True):

@@ -82,11 +82,11 @@ def test_teal_matches_reference(how, B):
     tx = tuple(float(v) for v in rng.uniform(0.3, 1.0, L))
     th = tuple(float(v) for v in rng.uniform(0.02, 0.3, L))
     plan = TEALPlan(f=f, n_keep=f // 2, sparsity=0.5, aggregate=how)
-    data = thresholds_data({"x": tx, "h": th})  # the method's data, as generate passes it (w["data"])
+    data = thresholds_data({"x": tx, "h": th})  # the method's data, as generate passes it (w.data)
     decode = jax.jit(plan.decode)
     seen = []
     for layer, W in enumerate(layers):  # the layer index picks the layer's thresholds
-        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
+        w = as_jax(W, layer, data=data)
         for step in range(3):
             x, valid = _step_inputs(rng, B, d)
             y, state, aux = decode(w, None, jnp.asarray(x, jnp.float32), step, jnp.asarray(valid[:, None]))
@@ -112,7 +112,7 @@ def test_cats_matches_reference(how, B):
     decode = jax.jit(plan.decode)
     seen = []
     for layer, W in enumerate(layers):
-        w = {**as_jax(W), "layer": jnp.int32(layer), "data": data}
+        w = as_jax(W, layer, data=data)
         for step in range(3):
             x, valid = _step_inputs(rng, B, d)
             y, _, aux = decode(w, None, jnp.asarray(x, jnp.float32), step, jnp.asarray(valid[:, None]))
@@ -127,7 +127,7 @@ def test_cats_matches_reference(how, B):
 def test_batched_rule_at_batch_one_is_per_token():
     rng = np.random.default_rng(2)
     W = random_layer(rng, 16, 32)
-    w = {**as_jax(W), "layer": jnp.int32(0), "data": thresholds_data({"x": (0.6,), "h": (0.1,)})}
+    w = as_jax(W, 0, data=thresholds_data({"x": (0.6,), "h": (0.1,)}))
     x = jnp.asarray(rng.normal(0, 1, (1, 1, 16)), jnp.float32)
     outs = [
         TEALPlan(f=32, n_keep=16, sparsity=0.5, aggregate=how).decode(w, None, x, 0, jnp.ones((1, 1), bool))[0]
@@ -140,13 +140,13 @@ def test_batched_rule_at_batch_one_is_per_token():
 def test_prefill_is_dense():
     rng = np.random.default_rng(3)
     W = random_layer(rng, 16, 32)
-    w = {**as_jax(W), "layer": jnp.int32(0)}
+    w = as_jax(W, 0)
     X = jnp.asarray(rng.normal(0, 1, (2, 5, 16)), jnp.float32)
     valid = jnp.ones((2, 5), bool)
     dense = DensePlan(f=32, n_keep=32).prefill(w, X, valid)[0]
     data = thresholds_data({"x": (9.0,), "h": (9.0,), "gate": (9.0,)})
-    teal = TEALPlan(f=32, n_keep=16, sparsity=0.5).prefill({**w, "data": data}, X, valid)
-    cats = CATSPlan(f=32, n_keep=16, sparsity=0.5).prefill({**w, "data": data}, X, valid)
+    teal = TEALPlan(f=32, n_keep=16, sparsity=0.5).prefill(w.replace(data=data), X, valid)
+    cats = CATSPlan(f=32, n_keep=16, sparsity=0.5).prefill(w.replace(data=data), X, valid)
     np.testing.assert_array_equal(teal[0], dense)
     np.testing.assert_array_equal(cats[0], dense)
 
@@ -233,10 +233,10 @@ class Survivors(Statistic):
     tg: tuple = ()
 
     def collect(self, w, x, valid, h):
-        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w["gate_up"][0]))
+        gate = jax.nn.silu(jnp.einsum("btd,nd->btn", x, w.gate_up[0]))
         out = {"tokens": jnp.sum(valid)}
         for name, v, t in (("x", x, self.tx), ("h", h, self.th), ("gate", gate, self.tg)):
-            above = jnp.abs(v) > jnp.asarray(t, jnp.float32)[w["layer"]]
+            above = jnp.abs(v) > jnp.asarray(t, jnp.float32)[w.layer]
             out[name] = jnp.sum(above & valid[..., None])
         return out
 

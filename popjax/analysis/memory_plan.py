@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from flax import nnx
 from .. import engine, sharding
 from ..requests import MAX_STOP_IDS
 from ..models.config import ModelConfig
-from ..models.attention import ring_slots
+from ..kernels.attention import ring_slots
 from ..models.decoder import abstract_model
 from ..models.scan import abstract_scanned_model, check_scannable
 from ..sampling import SamplingParams
@@ -99,31 +100,40 @@ def _cost(compiled) -> dict[str, float]:
 
 
 def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: int, dtype: str, scan_layers: bool,
-             decode_loop: bool = True) -> dict[str, Any]:
+             decode_loop: bool = True, data: Any = None) -> dict[str, Any]:
     """Compiles the engine's programs against abstract sharded params (no weights): ``start``,
     ``decode_loop`` (unless ``decode_loop=False``) and ``stream_step``; returns them with the
-    abstract ``params`` and the decode ``carry`` (ShapeDtypeStructs in XLA's shardings)."""
+    abstract ``params``, the decode ``carry`` (ShapeDtypeStructs in XLA's shardings) and each
+    program's compile ``seconds``. ``data``: an offline method's calibrated data, abstract
+    (`popjax.analysis.shape_fitted.abstract_data`). The mesh's devices may be another platform's
+    (a TPU topology: `popjax.analysis.tpu_compile`)."""
     build = abstract_scanned_model if scan_layers else abstract_model  # shapes only, no weights
     graphdef, _ = nnx.split(build(cfg, jnp.dtype(dtype)))
     params = sharding.abstract_params(cfg, mesh, dtype, scan_layers=scan_layers)
-    rows = sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
-    replicated = sharding.NamedSharding(mesh, sharding.PartitionSpec())
+    rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch", None), dict(mesh.shape)))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
     sampling = SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
     stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-    out: dict[str, Any] = {"params": params}
+    out: dict[str, Any] = {"params": params, "seconds": {}}
+
+    def compile_(name, lowered):
+        began = time.perf_counter()
+        out[name] = lowered.compile()
+        out["seconds"][name] = time.perf_counter() - began
+
     with jax.set_mesh(mesh):
         lowered = engine.start.lower(graphdef, params, plan, tokens, tokens, key, sampling, stops, scalar(jnp.int32),
-                                     capacity=capacity)
-        out["start"] = lowered.compile()
+                                     capacity=capacity, data=data)
+        compile_("start", lowered)
         # the carry as decode receives it: start's output shapes in the shardings XLA gave them
         carry = out["carry"] = _with_shardings(lowered.out_info[0], out["start"].output_shardings[0])
         if decode_loop:
-            out["loop"] = engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
-                                                   scalar(jnp.int32), capacity=capacity).compile()
-        out["step"] = engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, scalar(jnp.int32)).compile()
+            compile_("loop", engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
+                                                      scalar(jnp.int32), capacity=capacity, data=data))
+        compile_("step", engine.stream_step.lower(graphdef, params, plan, carry, sampling, stops, scalar(jnp.int32), data=data))
     return out
 
 
@@ -200,7 +210,7 @@ rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanne
     n_params = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
     weight_bytes = sum(math.prod(leaf.shape) * min(jnp.dtype(leaf.dtype).itemsize, itemsize)  # int8 leaves: 1 byte
                        for leaf in jax.tree_util.tree_leaves(params))
-    # a sliding-window layer keeps a ring of its window (models/attention.py ring_slots), a full layer every slot
+    # a sliding-window layer keeps a ring of its window (kernels/attention.py ring_slots), a full layer every slot
     layer_slots = [slots if cfg.window(i) is None else ring_slots(cfg.window(i), slots) for i in range(cfg.num_hidden_layers)]
     kv_bytes = lambda total_slots: 2 * batch * total_slots * cfg.kv_dim * itemsize // (min(data, batch) * kv_heads_split)
     analytic = {
@@ -216,6 +226,8 @@ rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanne
         "sliding_window": cfg.sliding_window, "sliding_layers": len(cfg.sliding_layers),
         "dtype": dtype, "weights": cfg.weights, "method": repr(method), "plan": type(plan).__name__, "scan_layers": scan_layers,
         "xla_per_device": xla, "analytic_per_device": analytic, "decode_step_cost": step_cost,
+        # a per-sequence plan that copies weight blocks holds one copy per row (its method state)
+        "per_sequence_copies": bool(plan.state_per_sequence and getattr(plan, "compact_weights", False)),
         **({"per_host": host_memory(params, mesh, hosts, weight_bytes)} if hosts > 1 else {}),
     }
 
@@ -277,6 +289,10 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{a['bytes_per_decode_step'] / GiB:.3f} GiB"
         + (" (XLA's: unrolled 1- and 2-layer steps extrapolated to all layers)" if p.get("scan_layers") else ""),
     ]
+    if p.get("per_sequence_copies"):
+        lines.append(f"  the method state holds one compact weight copy per sequence (aggregate='per_sequence', the "
+                     f"default): {x['method_state'] / GiB:.3f} GiB at batch {p['batch']}; if a batch's copies do not fit, "
+                     f"aggregate='shared' keeps one per batch (POP: or weights='gather', ids only)")
     if "per_host" in p:
         h = p["per_host"]
         lines += [

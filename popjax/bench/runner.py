@@ -31,7 +31,7 @@ from ..requests import pad_batch, pad_token_id
 from ..loaded import LoadedModel
 from ..loading import load
 from ..methods import Method, make_method, method_label, sweep
-from ..models.quant import WEIGHT_FORMATS
+from ..kernels.int8 import WEIGHT_FORMATS
 from . import suites
 from .peers import bench_peers
 
@@ -270,6 +270,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "ratio": run.method.reported()["ratio"],
             "batch": run.batch,
             "weights": cfg.weights,
+            "kernel": getattr(plan, "kernel", "xla"),  # what read the selected rows (popjax.kernels.RESOLVED)
             **run.stats(),
             "bytes_per_step": bytes_per_step(cfg, plan, run.batch, slots, itemsize),
             "peak_rss_mb": _peak_rss_mb(),

@@ -24,7 +24,7 @@ from ..generation import stream_ids
 from ..requests import GenerationRequest
 from ..loaded import LoadedModel
 from ..methods import Method, method_label
-from ..models.attention import cache_slots
+from ..kernels.attention import cache_slots
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:

@@ -18,13 +18,13 @@ from ..convert.readers import CheckpointError
 from ..methods import MethodError
 from ..models.config import ConfigError
 from . import (
-    analyze_layers, batch_study, bench, cache, calibrate_kv, convert, digits_vqa, eval, frontier, generate, kv_drift, lm_eval, plan,
+    analyze_layers, batch_study, bench, cache, calibrate_kv, compile, convert, digits_vqa, eval, frontier, generate, kv_drift, lm_eval, plan,
 )
 from .common import add_method_args, method_from_args, parse_skip, start_distributed
 
 # in the order `popjax --help` lists them
-COMMANDS = (generate, convert, bench, eval, lm_eval, analyze_layers, calibrate_kv, kv_drift, batch_study, frontier, plan, cache,
-            digits_vqa)
+COMMANDS = (generate, convert, bench, eval, lm_eval, analyze_layers, calibrate_kv, kv_drift, batch_study, frontier, plan, compile,
+            cache, digits_vqa)
 
 __all__ = ["COMMANDS", "add_method_args", "build_parser", "main", "method_from_args", "parse_skip"]
 

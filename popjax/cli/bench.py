@@ -9,14 +9,14 @@ from pathlib import Path
 from ..bench.runner import BenchSettings, format_suites, format_table, run_bench
 from .. import distributed
 from ..files import write_json_atomic
-from .common import add_distributed_args, mesh_from_args
+from .common import add_distributed_args, add_model_arg, mesh_from_args
 
 DEFAULTS = BenchSettings()
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="decode speed of the methods vs the roofline and transformers")
-    p.add_argument("--model", default=DEFAULTS.model)
+    add_model_arg(p)
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     p.add_argument("--weights", type=lambda s: [w for w in s.split(",") if w], default=list(DEFAULTS.weights),
                    help="weight formats to measure, each its own model in the one run: float, int8 or float,int8")

@@ -14,11 +14,12 @@ from typing import Any
 from .. import distributed
 from ..analysis.memory_plan import parse_mesh
 from ..convert.default_model import DEFAULT_MODEL
+from ..convert.sources import source_names
 from ..files import write_json_atomic
 from ..methods import Method, parse_method_spec
 from ..methods.prefill_only.kv_calibration import DEFAULT_RIDGE
 from ..methods.prefill_only.kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
-from ..models.quant import WEIGHT_FORMATS
+from ..kernels.int8 import WEIGHT_FORMATS
 from ..sharding import make_mesh
 
 
@@ -30,6 +31,13 @@ def parse_skip(text: str):
         return float(text) if "." in text else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--skip {text!r} is not a layer count, a fraction or a comma-separated layer list") from None
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """``--model SOURCE``: any source `popjax.load` takes (convert/sources.py), the same in every command."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="SOURCE",
+                        help=f"a named source ({', '.join(source_names())}; default {DEFAULT_MODEL}), a Hugging Face "
+                             "repo id, an HF checkpoint directory, a .gguf file or a converted directory")
 
 
 def add_weights_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -62,7 +70,7 @@ def method_from_args(args: argparse.Namespace) -> Method:
 
 def add_kv_calibration_args(parser: argparse.ArgumentParser, methods: tuple[str, ...]) -> None:
     """The flags of ``calibrate-kv`` and ``kv-drift``: the model and how the K/V projections are fitted."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    add_model_arg(parser)
     parser.add_argument("--method", default="closed_form", choices=methods, help="calibration method (default closed_form)")
     parser.add_argument("--ridge", type=float, default=DEFAULT_RIDGE, help="closed-form ridge λ ≥ 0, relative to tr(ZᵀZ)/d")
     parser.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 16384; optax 4096)")

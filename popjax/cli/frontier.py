@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..convert.default_model import DEFAULT_MODEL
 from ..data import DEV_PLAY, load_play, load_text_file
 from ..eval.frontier import (
     GAMMAS, FrontierSettings, attach_bench, configurations, default_specs, frontier, mark_fronts, markdown_table, read_bench,
@@ -13,12 +12,12 @@ from ..eval.frontier import (
 from ..eval.frontier_plot import plot_frontier
 from ..eval.tasks import NLLSettings
 from ..loading import load
-from .common import add_distributed_args, add_weights_arg, comma_list, mesh_from_args, write_outputs
+from .common import add_distributed_args, add_model_arg, add_weights_arg, comma_list, mesh_from_args, write_outputs
 
 
 def register(sub) -> None:
     p = sub.add_parser("frontier", help="online NLL and KL against FFN weight bytes per decode token, with the Pareto front")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arg(p)
     p.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16 (GPU/TPU)")
     add_weights_arg(p)
     p.add_argument("--methods", type=comma_list(str), default=None,

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .. import distributed
-from ..convert.default_model import DEFAULT_MODEL
+from ..convert.sources import refuse_images
 from ..generation import generate, stream
 from ..loading import load
-from .common import add_distributed_args, add_method_args, add_weights_arg, mesh_from_args, method_from_args
+from .common import add_distributed_args, add_method_args, add_model_arg, add_weights_arg, mesh_from_args, method_from_args
 
 
 def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate text with an optional pruning method")
     gen.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
+    add_model_arg(gen)
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 on CPU)")
     add_weights_arg(gen)
     gen.add_argument("--scan-layers", action="store_true", help="run the layers under lax.scan: faster compiles, slower CPU decode (docs/performance.md)")
@@ -33,12 +34,17 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     method = method_from_args(args)  # validate before the (slow) load
+    if args.image:
+        if args.no_chat:
+            raise SystemExit("popjax generate: --image needs the chat template (it writes the image placeholders); drop --no-chat")
+        refuse_images(args.model)  # a named source without a vision tower: one line before loading it
+        missing = [path for path in args.image if not Path(path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--image {missing[0]}: no such file")
     model = load(args.model, dtype=args.dtype, scan_layers=args.scan_layers, weights=args.weights, mesh=mesh_from_args(args))
     show = distributed.is_main()  # every process generates the same tokens; process 0 prints them
     prompts = list(args.prompts)
     if args.image:  # a chat message whose content is the images, then the text (transformers' format)
-        if args.no_chat:
-            raise SystemExit("popjax generate: --image needs the chat template (it writes the image placeholders); drop --no-chat")
         images = [{"type": "image", "image": path} for path in args.image]
         prompts = [[{"role": "user", "content": [*images, {"type": "text", "text": text}]}] for text in prompts]
     options = dict(

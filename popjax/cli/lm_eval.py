@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..eval.lm_eval_adapter import (
 from .. import distributed
 from ..files import write_json_atomic
 from .common import add_distributed_args, add_method_args, add_weights_arg, command_line, mesh_from_args
+from .eval_bigbench import add_lm_eval_args, lm_eval_bigbench
 
 
 def _limit(value: str) -> int | float:
@@ -27,7 +29,7 @@ def _limit(value: str) -> int | float:
 def register(sub) -> None:
     p = sub.add_parser("lm-eval", help="score a method on lm-evaluation-harness tasks (popjax[eval])")
     p.add_argument("--tasks", required=True, type=lambda s: [t for t in s.split(",") if t],
-                   help="comma-separated lm-eval task names (built-in or from --include-path)")
+                   help="comma-separated lm-eval task names (built-in or from --include-path), or bigbench:NAME")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"source (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU/TPU, float32 on CPU")
     add_weights_arg(p)
@@ -48,6 +50,7 @@ def register(sub) -> None:
     p.add_argument("--bootstrap-iters", type=int, default=100000, help="0 skips bootstrapped stderrs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write lm-eval's results here")
+    add_lm_eval_args(p)
     add_distributed_args(p)
     p.set_defaults(run=run)
 
@@ -73,6 +76,8 @@ def run(args: argparse.Namespace) -> None:
         model_args["mesh"] = mesh
     hyper = {k: v for k, v in model_args.items() if k not in ADAPTER_ARGS + IGNORED_ARGS}
     method = build_method(model_args["method"], hyper)
+    bigbench_dir = tempfile.TemporaryDirectory(prefix="popjax-bigbench-")  # removed when the run returns
+    lm_eval_bigbench(args, bigbench_dir.name)  # bigbench:NAME -> a local task (BIG-bench's prompts, offline)
     task_manager = task_manager_for(args.tasks, args.include_path, not args.no_builtin_tasks)  # before the load
     results = lm_eval.simple_evaluate(
         model="popjax", model_args=model_args, tasks=args.tasks, num_fewshot=args.num_fewshot,

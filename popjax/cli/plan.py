@@ -19,7 +19,7 @@ import jax
 from ..analysis.memory_plan import DEVICES, GiB, check_hosts, fits, format_plan, memory_plan, parse_mesh, published_configs, resolve_config
 from ..files import write_json_atomic
 from ..methods import MethodError
-from ..models.quant import WEIGHT_FORMATS
+from ..kernels.int8 import WEIGHT_FORMATS
 from ..models.scan import check_scannable
 from ..sharding import make_mesh
 from .common import add_method_args, method_from_args

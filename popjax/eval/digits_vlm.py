@@ -38,6 +38,7 @@ from ..loading import build_model, load
 from ..methods.base import DensePlan
 from ..models.config import ModelConfig
 from ..models.layers import PlacedEmbeddings
+from ..models.interface import CacheView, FFNHook, ModelInputs
 from ..models.vision import encode_images, vision_layout
 from ..pruned import checkpoint_tree
 from ..requests import pad_batch
@@ -212,8 +213,9 @@ def train(recipe: Recipe = Recipe()) -> LoadedModel:
         net = nnx.merge(graphdef, state)
         valid = batch.mask.astype(bool)
         features = encode_images(vision, cfg.vision, pixel_values, layout)
-        logits = net(batch.tokens, batch.positions, valid, lambda w, _s, x, routed=None: plan.prefill(w, x, valid), None,
-                     placed=PlacedEmbeddings(features, batch.slots))[0]
+        dense = lambda w, _s, x, rows: plan.prefill(w, x, rows)
+        logits = net(ModelInputs(batch.tokens, batch.positions, PlacedEmbeddings(features, batch.slots)),
+                     cache=CacheView(None, valid), ffn=FFNHook(dense, None, valid)).logits
         scored = batch.targets >= 0
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, jnp.maximum(batch.targets, 0)[..., None], axis=-1)[..., 0]
@@ -250,8 +252,14 @@ def train(recipe: Recipe = Recipe()) -> LoadedModel:
 def digits_vlm(recipe: Recipe = Recipe(), cache: bool = True) -> LoadedModel:
     """The trained digits VLM: from popjax's cache (kind "converted"), trained into it first if
     it is not there (atomic: a killed training leaves no entry)."""
-    if not cache:
-        return train(recipe)
+    return load(trained_directory(recipe)) if cache else train(recipe)
+
+
+def trained_directory(recipe: Recipe = Recipe()) -> Path:
+    """The cache entry (a converted directory) of the digits VLM trained with ``recipe``,
+    trained into it first if it is not there. The named source ``digits-vlm``
+    (convert/sources.py) resolves to it, so ``popjax.load("digits-vlm")`` and every command's
+    ``--model digits-vlm`` read it."""
 
     def make(directory: Path) -> None:
         trained = train(recipe)
@@ -260,4 +268,4 @@ def digits_vlm(recipe: Recipe = Recipe(), cache: bool = True) -> LoadedModel:
 
     key = {"format": FORMAT_VERSION, "source": "popjax digits VLM", **dataclasses.asdict(recipe), "vocabulary": vocabulary(),
            "questions": list(QUESTIONS), "offsets": list(OFFSETS), "answer": list(ANSWER_PREFIX)}
-    return load(get_or_make("converted", key, make, name="digits-vlm"))
+    return get_or_make("converted", key, make, name="digits-vlm")

@@ -12,18 +12,18 @@ from .base import DensePlan
 from .dense import Dense
 from .dynamic import Dynamic, DynamicPlan
 from .flap import FLAP
-from .pop.gate_scored import GateScoredPlan, GateScoredPOP
+from .pop.gate_scored import GateScoredPOP
 from .glass import GLASS, GLASSPlan, GlobalPrior
 from .griffin import GRIFFIN, GRIFFINPlan
 from .larosa import LaRoSa, LaRoSaPlan, Rotations
 from .principal_teal import PrincipalTEAL, PrincipalTEALPlan
-from .pop.layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP
-from .pop.low_rank import LowRankFactors, LowRankPlan, LowRankPOP
+from .pop.layer_bands import BandAllocation, LayerBandsPOP
+from .pop.low_rank import LowRankFactors, LowRankPOP
 from .pop.core import POP, POPPlan, POPShardedPlan
 from .prefill_only.method import PrefillOnly, PrefillOnlyPlan
 from .probe import ProbePruning, ProbePruningPlan
-from .pop.shortlist import ShortlistPlan, ShortlistPOP
-from .pop.shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
+from .pop.shortlist import ShortlistPOP
+from .pop.shortlist_dynamic import ShortlistDynamic
 from .static import Static, StaticPlan
 from .teal import TEAL, TEALPlan, Thresholds
 from .wanda_sp import ChannelSelection, SelectionPlan, WandaSP
@@ -169,16 +169,11 @@ __all__ = [
     "BWAPPlan",
     "BandAllocation",
     "GateScoredPOP",
-    "GateScoredPlan",
     "LayerBandsPOP",
-    "LayerBandsPlan",
     "LowRankFactors",
     "LowRankPOP",
-    "ShortlistPlan",
     "ShortlistPOP",
     "ShortlistDynamic",
-    "ShortlistDynamicPlan",
-    "LowRankPlan",
     "ChannelSelection",
     "CATS",
     "CATSPlan",

@@ -4,7 +4,7 @@ TEAL; docs/methods.md §5.5–§5.11, §12): the budget (a global ``ratio`` or t
 `batch_scores`), an exact per-token top k (`top_k_mask`) and the dense prefill of their plans.
 
 These methods sparsify the MLP's inputs at every decode step and leave the prompt dense; a plan
-reads its calibrated data from ``w["data"]``.
+reads its calibrated data from ``w.data``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..models.config import ModelConfig
 from .base import Method, MethodError, Plan, activations, down_proj, gate_activation, kept_channels
-from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity, with_down_bias
+from .bwap import DEFAULT_RATIO, check_ratio_or_sparsity
 
 THRESHOLD_AGGREGATES = ("max", "mean", "per_token")
 
@@ -88,4 +88,4 @@ class DensePrefillPlan(Plan):
 
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (dense y [B, T, d], no state, no aux)."""
-        return with_down_bias(w, down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])), None, {}
+        return down_proj(activations(w.gate_up, x, gate_activation(w)), w.down), None, {}

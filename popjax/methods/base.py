@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.config import ModelConfig
-from ..ffn import Plan, activations, down_proj, gate_activation, gate_and_up  # noqa: F401 (gate_and_up, gate_activation: re-exported for the methods)
-from ..models.quant import dot, take  # noqa: F401 (dot: re-exported for the methods)
+from ..ffn import FFNWeights, Plan, activations, down_proj, gate_activation, gate_and_up  # noqa: F401 (FFNWeights, gate_and_up, gate_activation: re-exported for the methods)
+from ..kernels.int8 import dot, take  # noqa: F401 (dot: re-exported for the methods)
 from flax import nnx
 
 from .. import distributed
@@ -180,21 +180,27 @@ def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array
     return down_proj(h * keep, down)
 
 
-def score_prompt(w: dict[str, jax.Array], x: jax.Array, valid: jax.Array, n_keep: int):
+def score_prompt(w: FFNWeights, x: jax.Array, valid: jax.Array, n_keep: int):
     """The common prefill of prompt-scored methods (docs/methods.md §2, "Prefill"): H on all f channels,
     importance over valid tokens, the ranking, and the layer output under the pruning structure
     (W_d applied to the top ``n_keep`` channels).
 
     x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f])."""
-    h = activations(w["gate_up"], x, gate_activation(w))
-    importance = prefill_importance(h, valid, w["down_norm"])
+    h = activations(w.gate_up, x, gate_activation(w))
+    importance = prefill_importance(h, valid, w.down_norm)
     order = rank_channels(importance)
-    return masked_down(h, order[:n_keep], w["down"]), order, importance
+    return masked_down(h, order[:n_keep], w.down), order, importance
 
 
 def prefill_per_sequence(prefill_shared, w, x, valid):
     """Runs a batch-aggregating prefill once per sequence (a batch of one each, via vmap), so
-    each sequence gets its own statistics; state and aux gain a leading batch axis."""
+    each sequence gets its own statistics; state and aux gain a leading batch axis. A batch of
+    one row runs the shared code as it is (the same statistics) with the axis added: the vmap of a
+    single row made XLA read more bytes per step than the shared plan (compact copies moved
+    through a batch axis)."""
+    if x.shape[0] == 1:
+        y, state, aux = prefill_shared(w, x, valid)
+        return y, _with_row_axis(state), _with_row_axis(aux)
 
     def one(xb, vb):
         y, state, aux = prefill_shared(w, xb[None], vb[None])
@@ -205,6 +211,9 @@ def prefill_per_sequence(prefill_shared, w, x, valid):
 
 def decode_per_sequence(decode_shared, w, state, x, step, valid):
     """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis."""
+    if x.shape[0] == 1:
+        y, new_state, aux = decode_shared(w, jax.tree_util.tree_map(lambda a: a[0], state), x, step, valid)
+        return y, _with_row_axis(new_state), _with_row_axis(aux)
 
     def one(sb, xb, vb):
         y, new_state, aux = decode_shared(w, sb, xb[None], step, vb[None])
@@ -213,10 +222,14 @@ def decode_per_sequence(decode_shared, w, state, x, step, valid):
     return jax.vmap(one)(state, x, valid)
 
 
-def dense_mlp(w, x):
-    """The full MLP, plus the down bias of a FLAP-pruned checkpoint when it has one."""
-    y = down_proj(activations(w["gate_up"], x, gate_activation(w)), w["down"])
-    return y if w.get("down_bias") is None else y + w["down_bias"]
+def _with_row_axis(tree):
+    """A batch-of-one tree (state or aux) with the leading [1] row axis per-sequence trees carry."""
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def dense_mlp(w: FFNWeights, x: jax.Array) -> jax.Array:
+    """The full MLP: x [..., d] -> [..., d] (a pruned checkpoint's down bias is the layer's to add)."""
+    return down_proj(activations(w.gate_up, x, gate_activation(w)), w.down)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,14 +348,17 @@ class Method:
 @dataclasses.dataclass(frozen=True)
 class RatioMethod(Method):
     """A method pruning a global ``ratio`` of decoder parameters from the FFN (docs/methods.md §1), in the
-    shared or per-sequence aggregate mode. Subclasses name their plan class and may add sizes
+    per-sequence (default) or shared aggregate mode. Subclasses name their plan class and may add sizes
     in ``plan_sizes``; a ratio that keeps every channel binds to the dense plan."""
 
     plan_class: ClassVar[type] = AggregatedPlan
     aggregates: ClassVar[tuple[str, ...]] = AGGREGATES  # the values ``aggregate`` takes
     ratio: float = 0.2
     _: dataclasses.KW_ONLY
-    aggregate: str = "shared"
+    # per sequence by default: a prompt's output never depends on what it is batched with (the
+    # papers prune one request at a time); "shared" (one selection per batch) is the documented
+    # batch-serving option, with one compact copy per batch instead of one per sequence
+    aggregate: str = "per_sequence"
 
     def __post_init__(self):
         check_global_ratio(self.ratio)

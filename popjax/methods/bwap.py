@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import (gate_activation, DensePlan, Method, MethodError, Plan, activations, dot, check_global_ratio, copy_channels, copy_gate_up,
+from .base import (FFNWeights, gate_activation, DensePlan, Method, MethodError, Plan, activations, dot, check_global_ratio, copy_channels, copy_gate_up,
                    down_proj, kept_channels, take_channels)
 
 BATCH_AGGREGATES = ("max", "mean")
@@ -72,17 +72,12 @@ def _check_period(name: str, value, minimum: int) -> None:
         raise MethodError(f"BWAP: {name}={value!r} is invalid; use an integer ≥ {minimum} (decode steps)")
 
 
-def with_down_bias(w: dict[str, jax.Array], y: jax.Array) -> jax.Array:
-    """Adds the down-projection bias of a FLAP-pruned checkpoint when the layer has one."""
-    return y if w.get("down_bias") is None else y + w["down_bias"]
-
-
-def kept_down_rows(w: dict[str, jax.Array], kept: jax.Array) -> jax.Array:
+def kept_down_rows(w: FFNWeights, kept: jax.Array) -> jax.Array:
     """The kept channels' down weights as rows [k, d]. Rows, not the columns [d, k] of W_d: the
     block is rewritten inside the decode loop, and XLA lays a column gather out transposed,
     which then costs a transposing copy at every pruned step (measured in the compiled HLO).
     On a mesh the block is split over "model" and padded to [k', d] (`copy_channels`)."""
-    return copy_channels(w["down"], kept, axis=1).T
+    return copy_channels(w.down, kept, axis=1).T
 
 
 def sample_sumsq(h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -137,7 +132,7 @@ class BWAPPlan(Plan):
 
     def prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (dense y, state, {"score": s₀ [f]})."""
-        h = activations(w["gate_up"], x, gate_activation(w))
+        h = activations(w.gate_up, x, gate_activation(w))
         sumsq, count = sample_sumsq(h, valid)
         s0 = batch_score(sumsq, count, self.aggregate)
         memory, kept = self._refresh(jnp.zeros_like(s0), s0)
@@ -146,10 +141,10 @@ class BWAPPlan(Plan):
             state.update(
                 sumsq=jnp.zeros_like(sumsq),  # [B, f] running Σ z² of the current exploration phase
                 count=jnp.zeros_like(count),  # [B] its valid tokens
-                gate_up=copy_gate_up(w["gate_up"], kept),  # [2, k', d] (k' ≥ k on a mesh: copy_channels)
+                gate_up=copy_gate_up(w.gate_up, kept),  # [2, k', d] (k' ≥ k on a mesh: copy_channels)
                 down_rows=kept_down_rows(w, kept),  # [k', d]
             )
-        return with_down_bias(w, down_proj(h, w["down"])), state, {"score": s0}
+        return down_proj(h, w.down), state, {"score": s0}
 
     def decode(self, w, state, x, step, valid):
         if self.schedule == "every_step":
@@ -157,16 +152,16 @@ class BWAPPlan(Plan):
         explore, update = self.phase(step)
 
         def dense(_):
-            h = activations(w["gate_up"], x, gate_activation(w))
+            h = activations(w.gate_up, x, gate_activation(w))
             sumsq, count = sample_sumsq(h, valid)
-            return down_proj(h, w["down"]), state["sumsq"] + sumsq, state["count"] + count
+            return down_proj(h, w.down), state["sumsq"] + sumsq, state["count"] + count
 
         def pruned(_):
             y = dot("btk,kd->btd", activations(state["gate_up"], x, gate_activation(w)), state["down_rows"])
             return y, state["sumsq"], state["count"]
 
         y, sumsq, count = jax.lax.cond(explore, dense, pruned, None)
-        y = with_down_bias(w, y)
+        y = y
 
         def refresh(_):
             memory, kept = self._refresh(state["memory"], batch_score(sumsq, count, self.aggregate))
@@ -175,7 +170,7 @@ class BWAPPlan(Plan):
                 "kept_idx": kept,
                 "sumsq": jnp.zeros_like(sumsq),
                 "count": jnp.zeros_like(count),
-                "gate_up": copy_gate_up(w["gate_up"], kept),
+                "gate_up": copy_gate_up(w.gate_up, kept),
                 "down_rows": kept_down_rows(w, kept),
             }
 
@@ -188,9 +183,9 @@ class BWAPPlan(Plan):
         return y, state, aux
 
     def _decode_every_step(self, w, state, x, valid):
-        h = activations(w["gate_up"], x, gate_activation(w))
+        h = activations(w.gate_up, x, gate_activation(w))
         memory, kept = self._refresh(state["memory"], batch_score(*sample_sumsq(h, valid), self.aggregate))
-        y = with_down_bias(w, down_proj(take_channels(h, kept, axis=-1), take_channels(w["down"], kept, axis=1)))
+        y = down_proj(take_channels(h, kept, axis=-1), take_channels(w.down, kept, axis=1))
         density = jnp.float32((2 * self.f + self.n_keep) / (3 * self.f))
         aux = {"explore": jnp.bool_(False), "update": jnp.bool_(True), "density": density, "kept_idx": kept}
         return y, {"memory": memory, "kept_idx": kept}, aux

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from ..models.config import ModelConfig
 from .base import gate_activation, DensePlan, MethodError, Plan, down_proj, gate_and_up, kept_channels
-from .bwap import with_down_bias
 from .activation_sparsity import DensePrefillPlan
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
@@ -40,7 +39,7 @@ from .teal import ThresholdMethod, layer_threshold, threshold_keep
 @dataclasses.dataclass(frozen=True)
 class CATSPlan(DensePrefillPlan):
     """CATS's decode (docs/methods.md §5.6): static budget and batch rule only; the thresholds
-    are the method's data, ``w["data"]["thresholds"]["gate"]`` [L] float32 ([L, slots] on a MoE
+    are the method's data, ``w.data["thresholds"]["gate"]`` [L] float32 ([L, slots] on a MoE
     model; `popjax.methods.teal.thresholds_data`)."""
 
     name: ClassVar[str] = "cats"
@@ -49,11 +48,11 @@ class CATSPlan(DensePrefillPlan):
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
-        gate, up = gate_and_up(w["gate_up"], x)
+        gate, up = gate_and_up(w.gate_up, x)
         gate = gate_activation(w)(gate)
-        t = layer_threshold(w["data"]["thresholds"]["gate"], w["layer"], w.get("block"))
+        t = layer_threshold(w.data["thresholds"]["gate"], w.layer, w.block)
         keep, density = threshold_keep(gate, valid, t, self.aggregate)
-        y = with_down_bias(w, down_proj(jnp.where(keep, gate * up, 0), w["down"]))
+        y = down_proj(jnp.where(keep, gate * up, 0), w.down)
         return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}
 
     def ffn_weights_read(self, d: int) -> int:

@@ -27,10 +27,10 @@ class DynamicPlan(AggregatedPlan):
         return y, jnp.zeros((0,), jnp.int32), {"importance": importance}
 
     def _decode(self, w, state, x, step, valid):
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, 1, f]
-        scores = step_importance(h, valid, w["down_norm"])  # [f]
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
+        scores = step_importance(h, valid, w.down_norm)  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
-        y = down_proj(take_channels(h, selected, axis=-1), take_channels(w["down"], selected, axis=1))
+        y = down_proj(take_channels(h, selected, axis=-1), take_channels(w.down, selected, axis=1))
         return y, state, {"scores": scores}
 
     def ffn_flops_per_token(self, d: int) -> int:
@@ -43,7 +43,7 @@ class DynamicPlan(AggregatedPlan):
 @dataclasses.dataclass(frozen=True)
 class Dynamic(RatioMethod):
     """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling of
-    POP at a much higher cost). ``Dynamic(ratio, aggregate="shared" | "per_sequence")``."""
+    POP at a much higher cost). ``Dynamic(ratio, aggregate="per_sequence" | "shared")``."""
 
     name: ClassVar[str] = "dynamic"
     plan_class: ClassVar[type] = DynamicPlan

@@ -114,19 +114,19 @@ class GLASSPlan(StaticPlan):
 
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (dense y [B, T, d], compact kept blocks, {"importance": [f]})."""
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, T, f]
         local = griffin_scores(h, valid)
-        prior = w["data"]["glass"]["prior"][table_row(w, self.blocks)]  # [f]
+        prior = w.data["glass"]["prior"][table_row(w, self.blocks)]  # [f]
         if self.score == "impact":
-            local, prior = local * w["down_norm"], prior * w["down_norm"]
+            local, prior = local * w.down_norm, prior * w.down_norm
         aggregated = aggregated_ranks(local, prior, self.lam)  # smaller is better
         kept = rank_channels(-aggregated)[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2, n_keep', d]
-            "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
+            "gate_up": copy_gate_up(w.gate_up, kept),  # [2, n_keep', d]
+            "down": copy_channels(w.down, kept, axis=1),  # [d, n_keep']
         }
-        return down_proj(h, w["down"]), state, {"importance": -aggregated.astype(jnp.float32)}
+        return down_proj(h, w.down), state, {"importance": -aggregated.astype(jnp.float32)}
 
 
 @dataclasses.dataclass(frozen=True)

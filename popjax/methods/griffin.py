@@ -53,25 +53,25 @@ class GRIFFINPlan(StaticPlan):
 
     def _prefill(self, w, x, valid):
         """x [B, T, d], valid [B, T] -> (dense y [B, T, d], compact kept blocks, {"importance": [f]})."""
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, T, f]
         scores = griffin_scores(h, valid)
         kept = rank_channels(scores)[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2, n_keep', d] (n_keep' ≥ n_keep: copy_channels)
-            "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
+            "gate_up": copy_gate_up(w.gate_up, kept),  # [2, n_keep', d] (n_keep' ≥ n_keep: copy_channels)
+            "down": copy_channels(w.down, kept, axis=1),  # [d, n_keep']
         }
-        return down_proj(h, w["down"]), state, {"importance": scores}
+        return down_proj(h, w.down), state, {"importance": scores}
 
 
 @dataclasses.dataclass(frozen=True)
 class GRIFFIN(RatioMethod):
-    """GRIFFIN: ``GRIFFIN(ratio=0.2, aggregate="shared" | "per_sequence")``.
+    """GRIFFIN: ``GRIFFIN(ratio=0.2, aggregate="per_sequence" | "shared")``.
 
     Args:
       ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
-      aggregate: "shared" (one selection from every valid token of the batch) or "per_sequence"
-        (the paper's per-prompt selection).
+      aggregate: "per_sequence" (default; the paper's per-prompt selection) or "shared" (one
+        selection from every valid token of the batch).
     """
 
     name: ClassVar[str] = "griffin"

@@ -47,7 +47,6 @@ from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
-from .bwap import with_down_bias
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)
 
@@ -93,13 +92,13 @@ class LaRoSaPlan(DensePrefillPlan):
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
-        q = w["data"]["larosa"]["rotation"][table_row(w, self.blocks)]  # [d, d]
+        q = w.data["larosa"]["rotation"][table_row(w, self.blocks)]  # [d, d]
         rotated = jnp.einsum("btd,de->bte", x.astype(jnp.float32), q)
         keep_x = top_k_mask(jnp.abs(rotated), valid, self.k_x, self.aggregate)
         x_hat = jnp.einsum("bte,de->btd", jnp.where(keep_x, rotated, 0.0), q).astype(x.dtype)
-        h = activations(w["gate_up"], x_hat, gate_activation(w))  # [B, 1, f]
+        h = activations(w.gate_up, x_hat, gate_activation(w))  # [B, 1, f]
         keep_h = top_k_mask(jnp.abs(h.astype(jnp.float32)), valid, self.n_keep, self.aggregate)
-        return with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"])), state, {}
+        return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
 
     def ffn_weights_read(self, d: int) -> int:
         """A kernel's read: Q (d²), k_x columns of the rotated gate and up, n_keep columns of down."""

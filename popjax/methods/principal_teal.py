@@ -49,7 +49,6 @@ from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .activation_sparsity import DensePrefillPlan, SparsityBudget
 from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
-from .bwap import with_down_bias
 from .larosa import LaRoSa
 from .teal import block_quantiles, threshold_keep
 
@@ -108,13 +107,13 @@ class PrincipalTEALPlan(DensePrefillPlan):
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, actual densities: fp32 scalars)."""
-        data, row = w["data"]["principal_teal"], table_row(w, self.blocks)
+        data, row = w.data["principal_teal"], table_row(w, self.blocks)
         principal, rest = principal_split(x, data["basis"][row])
         keep_e, dens_e = threshold_keep(rest, valid, data["t_e"][row], self.aggregate)
         x_hat = (principal + jnp.where(keep_e, rest, 0.0)).astype(x.dtype)
-        h = activations(w["gate_up"], x_hat, gate_activation(w))
+        h = activations(w.gate_up, x_hat, gate_activation(w))
         keep_h, dens_h = threshold_keep(h, valid, data["t_h"][row], self.aggregate)
-        y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
+        y = down_proj(jnp.where(keep_h, h, 0), w.down)
         return y, state, {"density_x": dens_e, "density_h": dens_h}
 
     def ffn_weights_read(self, d: int) -> int:

@@ -135,7 +135,7 @@ class ProbePruningPlan(AggregatedPlan):
 
     def _prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], {"history", "seen": [f], "down_l4": [f]}, aux)."""
-        down = w["down"].astype(jnp.float32)
+        down = w.down.astype(jnp.float32)
         f = down.shape[1]
         state = {
             "history": jnp.zeros((f,), jnp.float32),
@@ -143,18 +143,18 @@ class ProbePruningPlan(AggregatedPlan):
             # sqrt(Σ_i W_d[i,j]⁴): computed once here so decode steps never read all of W_d
             "down_l4": jnp.sqrt(jnp.sum(down**4, axis=0)),
         }
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, T, f]
         kept, scores, probe = self._select(h, x, valid, state)
-        y = masked_down(h, kept, w["down"])
+        y = masked_down(h, kept, w.down)
         state = update_history(state, take_channels(h, kept, axis=-1), kept, valid, self.momentum)
         return y, state, {"importance": scores, "probe": probe}
 
     def _decode(self, w, state, x, step, valid):
         """x [B, 1, d] -> (y [B, 1, d], updated history, {"selected": [n_keep], "scores": [f]})."""
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, 1, f]: the probe's rows and the others in one pass
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]: the probe's rows and the others in one pass
         kept, scores, probe = self._select(h, x, valid, state)
         h_kept = take_channels(h, kept, axis=-1)
-        y = down_proj(h_kept, take_channels(w["down"], kept, axis=1))
+        y = down_proj(h_kept, take_channels(w.down, kept, axis=1))
         state = update_history(state, h_kept, kept, valid, self.momentum)
         return y, state, {"selected": kept, "scores": scores}
 
@@ -185,7 +185,8 @@ class ProbePruning(RatioMethod):
         paper default 5%).
       probe_tokens: fraction of each probed sequence's valid tokens, in (0, 1] (paper default 50%).
       momentum: EMA momentum μ of the history, in [0, 1] (paper 0.99).
-      aggregate: "shared" (the paper: one probe, history and selection per batch) or "per_sequence".
+      aggregate: "per_sequence" (default: each sequence its own probe, history and selection) or
+        "shared" (the paper's batch setting: one probe, history and selection per batch).
     """
 
     name: ClassVar[str] = "probe"

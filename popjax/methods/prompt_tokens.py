@@ -11,7 +11,7 @@ tokens are image tokens.
 A choice whose tokens are absent (a text-only prompt asked for "image") falls back to every valid
 token, and "balanced" with one modality absent is that modality's mean: the ranking is the same
 as "all" then. The engine gives the prefill the prompt's image-token mask as the layer weights'
-``w["image_tokens"]`` [B, T] (absent for a text-only batch); the statistics read the mask or
+``w.image_tokens`` [B, T] (absent for a text-only batch); the statistics read the mask or
 weights this module returns in place of ``valid``.
 """
 

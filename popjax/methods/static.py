@@ -22,8 +22,8 @@ class StaticPlan(AggregatedPlan):
         kept = order[: self.n_keep]
         state = {
             "kept_idx": kept,  # [n_keep]
-            "gate_up": copy_gate_up(w["gate_up"], kept),  # [2, n_keep', d] (n_keep' ≥ n_keep: copy_channels)
-            "down": copy_channels(w["down"], kept, axis=1),  # [d, n_keep']
+            "gate_up": copy_gate_up(w.gate_up, kept),  # [2, n_keep', d] (n_keep' ≥ n_keep: copy_channels)
+            "down": copy_channels(w.down, kept, axis=1),  # [d, n_keep']
         }
         return y, state, {"importance": importance}
 
@@ -40,7 +40,7 @@ class StaticPlan(AggregatedPlan):
 @dataclasses.dataclass(frozen=True)
 class Static(RatioMethod):
     """Prefill-fixed structured pruning: the top n_keep channels by prompt importance, kept for
-    the whole generation. ``Static(ratio, aggregate="shared" | "per_sequence")``."""
+    the whole generation. ``Static(ratio, aggregate="per_sequence" | "shared")``."""
 
     name: ClassVar[str] = "static"
     plan_class: ClassVar[type] = StaticPlan

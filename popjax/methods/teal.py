@@ -27,11 +27,11 @@ prompt sparsification is an evaluation device); BWAP treats the prompt as dense 
 **Mixture-of-experts models** (docs/moe.md): thresholds are per FFN block, ``t[l][slot]``,
 from the histograms of the calibration tokens routed to that expert (all tokens for a shared or
 dense-layer block); a block no calibration token reached takes the threshold of its layer's
-blocks pooled. At run time each block uses its own (``w["block"]``).
+blocks pooled. At run time each block uses its own (``w.block``).
 
 **Thresholds are data, not plan fields**: ``calibrate`` gives a hashable `Thresholds` (what the
 cache stores); ``data(model)`` turns it into float32 arrays that the engine passes into its
-compiled programs beside the weights (``w["data"]``), so a new calibration compiles nothing and
+compiled programs beside the weights (``w.data``), so a new calibration compiles nothing and
 no threshold table is baked into the program. The plans hold only the static budget and rule.
 """
 
@@ -49,7 +49,6 @@ from ..calibration import Statistic, calibrate, histogram_quantile, log_histogra
 from ..models.config import ModelConfig
 from .base import gate_activation, DensePlan, MethodError, Plan, activations, dot, down_proj, resolve_corpus
 from .activation_sparsity import THRESHOLD_AGGREGATES, DensePrefillPlan, SparsityBudget, batch_scores, check_threshold_aggregate  # noqa: F401 (re-exported)
-from .bwap import with_down_bias
 
 
 
@@ -79,7 +78,7 @@ class AbsHistograms(Statistic):
     version: ClassVar[int] = 1
 
     def collect(self, w, x, valid, h):
-        gate = gate_activation(w)(dot("btd,nd->btn", x, w["gate_up"][0]))
+        gate = gate_activation(w)(dot("btd,nd->btn", x, w.gate_up[0]))
         return {"x": log_histogram(x, valid), "h": log_histogram(h, valid), "gate": log_histogram(gate, valid)}
 
 
@@ -105,7 +104,7 @@ def block_quantiles(counts: np.ndarray, s: float) -> tuple:
 
 
 def thresholds_data(thresholds: dict[str, tuple]) -> dict[str, dict[str, jax.Array]]:
-    """Per-layer thresholds as the calibrated data the plans read (`Method.data`, ``w["data"]``):
+    """Per-layer thresholds as the calibrated data the plans read (`Method.data`, ``w.data``):
     {tensor: (t_0, ..., t_{L−1})} -> ``{"thresholds": {tensor: [L] float32}}``; a MoE model's
     per-slot thresholds (t_l a tuple over block slots) give [L, slots]."""
     return {"thresholds": {tensor: jnp.asarray(np.asarray(values, np.float32)) for tensor, values in thresholds.items()}}
@@ -113,7 +112,7 @@ def thresholds_data(thresholds: dict[str, tuple]) -> dict[str, dict[str, jax.Arr
 
 def layer_threshold(table: jax.Array, layer: jax.Array, block: jax.Array | None = None) -> jax.Array:
     """This FFN block's threshold from a data table [L] float32, picked inside jit by the layer
-    index ``w["layer"]`` and, in a MoE model (table [L, slots]), the block slot ``w["block"]``
+    index ``w.layer`` and, in a MoE model (table [L, slots]), the block slot ``w.block``
     -> [] float32."""
     row = table[layer]
     return row if block is None else row[block]
@@ -204,7 +203,7 @@ class ThresholdMethod(SparsityBudget):
 @dataclasses.dataclass(frozen=True)
 class TEALPlan(DensePrefillPlan):
     """TEAL's decode (docs/methods.md §5.5): static budget and batch rule only; the thresholds
-    are the method's data, ``w["data"]["thresholds"]["x"]`` and ``["h"]``, each [L] float32
+    are the method's data, ``w.data["thresholds"]["x"]`` and ``["h"]``, each [L] float32
     ([L, slots] on a MoE model; `thresholds_data`)."""
 
     name: ClassVar[str] = "teal"
@@ -213,11 +212,11 @@ class TEALPlan(DensePrefillPlan):
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
-        layer, block, t = w["layer"], w.get("block"), w["data"]["thresholds"]
+        layer, block, t = w.layer, w.block, w.data["thresholds"]
         keep_x, dens_x = threshold_keep(x, valid, layer_threshold(t["x"], layer, block), self.aggregate)
-        h = activations(w["gate_up"], jnp.where(keep_x, x, 0), gate_activation(w))
+        h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))
         keep_h, dens_h = threshold_keep(h, valid, layer_threshold(t["h"], layer, block), self.aggregate)
-        y = with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"]))
+        y = down_proj(jnp.where(keep_h, h, 0), w.down)
         return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}
 
     def ffn_weights_read(self, d: int) -> int:

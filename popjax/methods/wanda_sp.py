@@ -76,7 +76,7 @@ class ChannelSelection:
 
 def selection_data(kept, bias=None, blocks: int = 0) -> dict[str, jax.Array]:
     """Kept channel ids (and FLAP's bias) as the calibrated data `SelectionPlan` reads
-    (`Method.data`, ``w["data"]``).
+    (`Method.data`, ``w.data``).
 
     kept: R rows of ascending ids (R = L, or L·blocks row-major over (layer, block slot) on a MoE
     model); bias: R rows of d values, or None ->
@@ -97,9 +97,9 @@ def selection_data(kept, bias=None, blocks: int = 0) -> dict[str, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class SelectionPlan(Plan):
     """A fixed channel selection per layer, read from the method's data (`selection_data`):
-    ``w["data"]["kept"]`` [L, n_max] int32 (−1: padding) and, for FLAP, ``w["data"]["bias"]``
-    [L, d]; ``w["layer"]`` picks the layer's row inside jit (in a MoE model the arrays are
-    [L, blocks, ...] and ``w["block"]`` picks the block too). Layers may keep different numbers
+    ``w.data["kept"]`` [L, n_max] int32 (−1: padding) and, for FLAP, ``w.data["bias"]``
+    [L, d]; ``w.layer`` picks the layer's row inside jit (in a MoE model the arrays are
+    [L, blocks, ...] and ``w.block`` picks the block too). Layers may keep different numbers
     of channels: they are padded to the widest, and the padded down columns are zero, so they
     add nothing. ``n_keep`` is the mean width (the global budget), ``n_max`` the widest (the
     compact copies' static width)."""
@@ -115,8 +115,8 @@ class SelectionPlan(Plan):
     def _tables(self, w):
         """This layer's (block's) ids [n_max] int32, column mask [n_max] float32 and bias [d]
         float32 (or None). Padding ids (−1) gather channel 0, whose column the mask zeroes."""
-        data = w["data"]
-        at = (w["layer"], w["block"]) if self.blocks else (w["layer"],)
+        data = w.data
+        at = (w.layer, w.block) if self.blocks else (w.layer,)
         ids = data["kept"][at]
         if ids.shape != (self.n_max,):
             raise ValueError(f"selection data holds {ids.shape} ids per FFN block; this plan keeps up to n_max={self.n_max}: "
@@ -132,9 +132,9 @@ class SelectionPlan(Plan):
     def prefill(self, w, x, valid):
         """x [B, T, d] -> (y [B, T, d], compact kept blocks, {}) — the prompt runs pruned too."""
         idx, mask, bias = self._tables(w)
-        down = copy_channels(w["down"], idx, axis=1)  # [d, n_max'] (split over "model" on a mesh)
+        down = copy_channels(w.down, idx, axis=1)  # [d, n_max'] (split over "model" on a mesh)
         mask = jnp.pad(mask, (0, down.shape[1] - mask.shape[0]))  # padding channels are zeros already
-        state = {"gate_up": copy_gate_up(w["gate_up"], idx), "down": down * mask.astype(down.dtype)}  # [2, n_max', d]
+        state = {"gate_up": copy_gate_up(w.gate_up, idx), "down": down * mask.astype(down.dtype)}  # [2, n_max', d]
         return self._apply(w, state, x, bias), state, {}
 
     def decode(self, w, state, x, step, valid):
@@ -239,7 +239,7 @@ class WandaSPInOrder(Statistic):
     n_keep: int = 1
 
     def _kept(self, w, valid, h):
-        scores = wanda_sp_scores(h, valid, w["down"])
+        scores = wanda_sp_scores(h, valid, w.down)
         return rank_channels(scores)[: self.n_keep], scores
 
     def collect(self, w, x, valid, h):
@@ -253,7 +253,7 @@ class WandaSPInOrder(Statistic):
         }
 
     def output(self, w, x, valid, h):
-        return masked_down(h, self._kept(w, valid, h)[0], w["down"])
+        return masked_down(h, self._kept(w, valid, h)[0], w.down)
 
 
 @dataclasses.dataclass(frozen=True)

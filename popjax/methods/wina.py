@@ -48,7 +48,6 @@ from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import DensePlan, FittedArrays, block_rows, gate_up_blocks, MethodError, Plan, activations, down_proj, gate_activation
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
-from .bwap import with_down_bias
 
 WEIGHT_NORMS = ("both", "x")
 
@@ -56,7 +55,7 @@ WEIGHT_NORMS = ("both", "x")
 @dataclasses.dataclass(frozen=True)
 class WINAPlan(DensePrefillPlan):
     """WINA's decode (see the module docstring): the column norms are the method's data,
-    ``w["data"]["wina"]["x_norm"]``."""
+    ``w.data["wina"]["x_norm"]``."""
 
     name: ClassVar[str] = "wina"
     k_x: int = 0  # entries of x kept per step
@@ -66,14 +65,14 @@ class WINAPlan(DensePrefillPlan):
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
-        c = w["data"]["wina"]["x_norm"][table_row(w, self.blocks)]  # [d]
+        c = w.data["wina"]["x_norm"][table_row(w, self.blocks)]  # [d]
         keep_x = top_k_mask(jnp.abs(x.astype(jnp.float32)) * c, valid, self.k_x, self.aggregate)
-        h = activations(w["gate_up"], jnp.where(keep_x, x, 0), gate_activation(w))  # [B, 1, f]
+        h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))  # [B, 1, f]
         scores = jnp.abs(h.astype(jnp.float32))
         if self.weight_norms == "both":
-            scores = scores * w["down_norm"]
+            scores = scores * w.down_norm
         keep_h = top_k_mask(scores, valid, self.n_keep, self.aggregate)
-        return with_down_bias(w, down_proj(jnp.where(keep_h, h, 0), w["down"])), state, {}
+        return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
 
     def ffn_weights_read(self, d: int) -> int:
         """A sparse kernel's read: the kept columns of gate and up (2·f·k_x), of down (d·n_keep)."""

@@ -9,16 +9,15 @@ and shortlists (``shortlist``, ``shortlist_dynamic``).
 """
 
 from .core import POP, POPPreset, POPShardedPlan
-from .gate_scored import GateScoredPlan, GateScoredPOP, GateScorer
-from .layer_bands import BandAllocation, LayerBandsPlan, LayerBandsPOP, PerLayerBands
-from .low_rank import LowRankFactors, LowRankPlan, LowRankPOP, LowRankScorer
+from .gate_scored import GateScoredPOP, GateScorer
+from .layer_bands import BandAllocation, LayerBandsPOP, PerLayerBands
+from .low_rank import LowRankFactors, LowRankPOP, LowRankScorer
 from .plan import BandRule, CandidateScorer, ExactScorer, GlobalBand, POPPlan, UnkeptBand
-from .shortlist import ShortlistPlan, ShortlistPOP, ShortlistScorer
-from .shortlist_dynamic import ShortlistDynamic, ShortlistDynamicPlan
+from .shortlist import ShortlistPOP, ShortlistScorer
+from .shortlist_dynamic import ShortlistDynamic
 
 __all__ = [
-    "BandAllocation", "BandRule", "CandidateScorer", "ExactScorer", "GateScoredPOP", "GateScoredPlan", "GateScorer",
-    "GlobalBand", "LayerBandsPOP", "LayerBandsPlan", "LowRankFactors", "LowRankPOP", "LowRankPlan", "LowRankScorer",
-    "POP", "POPPlan", "POPPreset", "POPShardedPlan", "PerLayerBands", "ShortlistDynamic", "ShortlistDynamicPlan",
-    "ShortlistPOP", "ShortlistPlan", "ShortlistScorer", "UnkeptBand",
+    "BandAllocation", "BandRule", "CandidateScorer", "ExactScorer", "GateScoredPOP", "GateScorer",
+    "GlobalBand", "LayerBandsPOP", "LowRankFactors", "LowRankPOP", "LowRankScorer",
+    "POP", "POPPlan", "POPPreset", "POPShardedPlan", "PerLayerBands", "ShortlistDynamic", "ShortlistPOP", "ShortlistScorer", "UnkeptBand",
 ]

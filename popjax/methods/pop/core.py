@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from ... import kernels
 from ...models.config import ModelConfig
 from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
 from ..prompt_tokens import check_prompt_tokens
@@ -61,14 +62,15 @@ class POPPreset(RatioMethod):
 
 @dataclasses.dataclass(frozen=True)
 class POP(POPPreset):
-    """Partition-guided Online Pruning: ``POP(ratio=0.2, gamma=0.1, aggregate="shared")``.
+    """Partition-guided Online Pruning: ``POP(ratio=0.2, gamma=0.1, aggregate="per_sequence")``.
 
     Args:
       ratio: global fraction of decoder parameters removed, in [0, 1); all of it comes from the
         FFN (docs/methods.md §1), attention is never pruned.
       gamma: width of the candidate band as a fraction of f, in [0, 1] (paper default 0.1).
-      aggregate: "shared" (the paper: one partition and one selection per batch) or
-        "per_sequence" (each sequence its own; results independent of batch composition).
+      aggregate: "per_sequence" (default: each sequence its own partition and selection, as the
+        paper prunes one request at a time; results independent of batch composition) or
+        "shared" (one partition and one selection per batch: batch serving, one compact copy).
       partition: "global" (one ranking over all f channels; under tensor parallelism only scores
         travel) or "per_shard" (the channels split into ``shards`` blocks, each ranking its own
         and keeping n_keep/shards of them; see POPShardedPlan and docs/sharding.md).
@@ -79,12 +81,19 @@ class POP(POPPreset):
         keeps only channel ids; every decode step gathers those rows from the model's weights).
         Same outputs; "gather" saves the copy — (3·n_R + 4·m)·d elements per layer, per sequence
         with aggregate="per_sequence" — for per-step gathers (docs/scale_out.md).
+      kernel: how a decode step reads the m selected candidates' down rows: "auto" (default:
+        the Pallas kernel on TPU and GPU, XLA on a CPU, on a mesh and where no kernel is wired),
+        "xla" (XLA's gather and dot) or "pallas" (`popjax.kernels.decode_ffn.gather_matvec`
+        over an input-major copy of C's down rows, which reads only the selected rows;
+        interpret mode on a CPU). Same outputs. Wired for partition="global" with weights="compact" on one device
+        (docs/kernels.md, "POP's wiring"); `popjax.kernels.choose` resolves it at bind.
     """
 
     name: ClassVar[str] = "pop"
     partition: str = dataclasses.field(default="global", kw_only=True)
     shards: int | None = dataclasses.field(default=None, kw_only=True)
     weights: str = dataclasses.field(default="compact", kw_only=True)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -96,13 +105,34 @@ class POP(POPPreset):
         if self.shards is not None and self.partition != "per_shard":
             raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
         check_choice("weights", self.weights, WEIGHT_MODES)
+        check_choice("kernel", self.kernel, kernels.KERNELS)
+        if self.kernel == "pallas" and (self.weights != "compact" or self.partition != "global"):
+            raise MethodError(
+                f"kernel='pallas' is wired for weights='compact', partition='global' only "
+                f"(weights={self.weights!r}, partition={self.partition!r}); use kernel='xla' or 'auto'"
+            )
+
+    def resolved_kernel(self) -> str:
+        """What the decode step runs (`popjax.kernels.RESOLVED`): "auto" is XLA where no kernel
+        is wired (weights="gather", partition="per_shard")."""
+        if self.kernel == "auto" and (self.weights != "compact" or self.partition != "global"):
+            return "xla"
+        return kernels.choose(self.kernel)
+
+    def plan_sizes(self, f, n_keep):
+        return {**super().plan_sizes(f, n_keep), "kernel": self.resolved_kernel()}
 
     def candidate_scorer(self, f, n_keep, m):
         return ExactScorer(gather=self.weights == "gather")
 
     def prepare(self, model) -> "POP":
-        """per_shard without ``shards`` takes the model mesh's "model" axis size."""
+        """per_shard without ``shards`` takes the model mesh's "model" axis size; on a mesh
+        ``kernel="auto"`` is XLA (the kernels do not run per shard yet) and "pallas" is refused."""
         mesh = getattr(model, "mesh", None)
+        if mesh is not None and self.kernel != "xla":
+            if self.kernel == "pallas":
+                raise MethodError("kernel='pallas' does not run on a mesh yet (no shard_map wiring); use kernel='xla' or 'auto'")
+            return dataclasses.replace(self, kernel="xla").prepare(model)
         if self.partition == "per_shard" and self.shards is None and mesh is not None:
             return dataclasses.replace(self, shards=dict(mesh.shape).get("model", 1))
         return self

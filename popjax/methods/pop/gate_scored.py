@@ -50,18 +50,18 @@ def gate_partition_state(w, retained, candidates) -> dict:
     over ``model`` on a mesh (base.copy_rows / copy_channels, R padded with zero channels to a
     multiple of the split: n_R' ≥ n_R), and C's up rows and down columns as row blocks
     [n_C, d] from which a step gathers its selection (replicated, as POP's candidate down rows)."""
-    f = w["gate_up"].shape[1]
+    f = w.gate_up.shape[1]
     padded = pad_ids(retained)
     up_padded = jnp.where(padded >= 0, f + padded, -1)  # up row c of gate_up read as [2f, d] is f + c
     return {
         "retained_idx": retained,  # [n_R]
         "candidate_idx": candidates,  # [n_C]
         # gate R', up R', gate C: [(2 n_R' + n_C)', d]
-        "step_rows": copy_rows(w["gate_up"], jnp.concatenate([padded, up_padded, candidates])),
-        "up_candidates": take_channels(w["gate_up"][1], candidates, axis=0),  # [n_C, d]
-        "down_retained": copy_channels_or_empty(w["down"], padded, axis=1),  # [d, n_R']
-        "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
-        "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
+        "step_rows": copy_rows(w.gate_up, jnp.concatenate([padded, up_padded, candidates])),
+        "up_candidates": take_channels(w.gate_up[1], candidates, axis=0),  # [n_C, d]
+        "down_retained": copy_channels_or_empty(w.down, padded, axis=1),  # [d, n_R']
+        "down_candidates": take_channels(w.down, candidates, axis=1).T,  # [n_C, d]
+        "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),  # [n_C]
     }
 
 
@@ -111,19 +111,18 @@ def gate_scored_plan(f: int, n_keep: int, m: int = 0, aggregate: str = "shared")
     return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, scorer=GATE)
 
 
-GateScoredPlan = gate_scored_plan  # the name of the plan class this replaced (popjax.methods exports it)
 
 
 @dataclasses.dataclass(frozen=True)
 class GateScoredPOP(POPPreset):
     """POP with candidates scored from the gate alone: ``GateScoredPOP(ratio=0.2, gamma=0.2,
-    aggregate="shared" | "per_sequence")``.
+    aggregate="per_sequence" | "shared")``.
 
     Args:
       ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
       gamma: candidate band width as a fraction of f, in [0, 1] (POP's sizes). A candidate costs
         half of POP's per step, so γ = 2·γ_POP reads the same bytes as POP at γ_POP.
-      aggregate: "shared" (one partition and selection per batch) or "per_sequence".
+      aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
     """
 
     name: ClassVar[str] = "pop-gate"

@@ -30,13 +30,13 @@ and the next ``2·m_max`` (the band zone) as gate/up rows ``[2m_max, 2, d]`` and
 ``[2m_max, d]``. Decode runs ``lax.switch`` over one branch per distinct width; branch m_l reads
 the static prefix of ``m_max + m_l`` band-zone rows (retained: the first m_max − m_l;
 candidates: the next 2m_l) and top-k's inside its band. The switch index is a per-layer constant
-(from ``w["layer"]``), so each layer executes one branch. The bands stay in the plan (a tuple of
+(from ``w.layer``), so each layer executes one branch. The bands stay in the plan (a tuple of
 ints, hashable): the branches and the state's shapes depend on them anyway.
 
 **Mixture-of-experts models** (docs/moe.md): every FFN block is a unit of the allocation — its
 drift measured on the calibration tokens routed to it (all tokens for a shared-expert or
 dense-layer block), its own band ``m_b``, with ``Σ_b m_b ≤ (number of blocks)·m`` — and the
-branch index is a per-block constant (``w["block"]``). A block no calibration window reached
+branch index is a per-block constant (``w.block``). A block no calibration window reached
 has drift 0.
 """
 
@@ -83,7 +83,7 @@ class BandDrift(Statistic):
     n_keep: int = 1
 
     def collect(self, w, x, valid, h):
-        one = lambda hb, vb: prompt_drift(hb[None], vb[None], w["down_norm"], self.n_keep)
+        one = lambda hb, vb: prompt_drift(hb[None], vb[None], w.down_norm, self.n_keep)
         drift = jax.vmap(one)(h, valid)  # [B]
         has = jnp.any(valid, axis=1)
         return {"drift": jnp.sum(jnp.where(has, drift, 0.0)), "prompts": jnp.sum(has)}
@@ -164,15 +164,15 @@ class PerLayerBands(BandRule):
         state = {
             "kept_idx": kept,  # [n_keep + m_max], by decreasing prompt importance
             # retained in every branch: split over "model" on a mesh (zero channels pad to n_core')
-            "core_gate_up": copy_channels_or_empty(w["gate_up"], core, axis=1),  # [2, n_core', d]
-            "core_down": copy_channels_or_empty(w["down"], core, axis=1),  # [d, n_core']
+            "core_gate_up": copy_channels_or_empty(w.gate_up, core, axis=1),  # [2, n_core', d]
+            "core_down": copy_channels_or_empty(w.down, core, axis=1),  # [d, n_core']
             # the widest band's zone: retained or candidate by branch, gathered from per step
-            "band_gate_up": take_gate_up(w["gate_up"], band).swapaxes(0, 1),  # [2 m_max, 2, d]
-            "band_down_rows": take_channels(w["down"], band, axis=1).T,  # [2 m_max, d]
-            "band_down_norm": take_channels(w["down_norm"], band, axis=0),  # [2 m_max]
+            "band_gate_up": take_gate_up(w.gate_up, band).swapaxes(0, 1),  # [2 m_max, 2, d]
+            "band_down_rows": take_channels(w.down, band, axis=1).T,  # [2 m_max, d]
+            "band_down_norm": take_channels(w.down_norm, band, axis=0),  # [2 m_max]
         }
-        h = activations(w["gate_up"], x, gate_activation(w))  # XLA shares it with score_prompt's
-        return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w["down_norm"], plan.n_keep)}
+        h = activations(w.gate_up, x, gate_activation(w))  # XLA shares it with score_prompt's
+        return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w.down_norm, plan.n_keep)}
 
     def _branch(self, plan, m_l: int, act):
         """The band part of the decode of a layer that selects m_l of 2·m_l candidates: the band
@@ -227,13 +227,12 @@ def layer_bands_plan(f: int, n_keep: int, m: int = 0, bands: tuple[int, ...] = (
     return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, band=PerLayerBands(tuple(bands), tuple(used)), blocks=blocks)
 
 
-LayerBandsPlan = layer_bands_plan  # the name of the plan class this replaced (popjax.methods exports it)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerBandsPOP(POPPreset):
     """POP with per-layer bands under POP's byte budget: ``LayerBandsPOP(ratio=0.2, gamma=0.1,
-    levels=DEFAULT_LEVELS, aggregate="shared" | "per_sequence")``; ``prepare(model)`` measures
+    levels=DEFAULT_LEVELS, aggregate="per_sequence" | "shared")``; ``prepare(model)`` measures
     the drift on the calibration corpus and allocates the bands (cached).
 
     Args:

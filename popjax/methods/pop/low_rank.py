@@ -22,13 +22,13 @@ for POP's bytes at γ = 0.1). At rank = min(d, f) the scores are exact (POP's se
 
 **The factors are the method's calibrated data** (`LowRankPOP.data`: ``{"lowrank": {"inputs",
 "outputs"}}``), passed by the engine into its compiled programs beside the weights
-(``w["data"]``), not constants of the plan: a new model or rank compiles no new program for the
+(``w.data``), not constants of the plan: a new model or rank compiles no new program for the
 same sizes. Prefill copies the layer's ``in`` [d, k·r] and the band's columns of ``out``
 [k, r, n_C] into the partition state, so a decode step reads only compact blocks.
 
 **Mixture-of-experts models** (docs/moe.md): one pair of factors per FFN block (every routed
 expert, every shared-expert or dense-layer block), rows ``[L · slots]`` by (layer, block slot),
-and each block's prefill takes its own (``w["block"]``, models.moe.table_row).
+and each block's prefill takes its own (``w.block``, models.moe.table_row).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def lowrank_factors(model, rank: int, cache: bool = True, cache_dir: str | Path 
 
 
 def lowrank_data(factors: LowRankFactors) -> dict:
-    """The factors as the calibrated data a `LowRankScorer` reads from ``w["data"]``:
+    """The factors as the calibrated data a `LowRankScorer` reads from ``w.data``:
     ``{"lowrank": {"inputs": [rows, 2, d, r], "outputs": [rows, 2, r, f]}}`` fp32 (rows = L,
     or L · block slots on a MoE model)."""
     return {"lowrank": {"inputs": jnp.asarray(factors.inputs), "outputs": jnp.asarray(factors.outputs)}}
@@ -156,20 +156,20 @@ class LowRankScorer(CandidateScorer):
     def prefill_state(self, plan, w, x, valid, retained, candidates):
         k = self.n_factors
         row = table_row(w, plan.blocks)  # the layer (a MoE model: the layer's block)
-        factors = w["data"]["lowrank"]
+        factors = w.data["lowrank"]
         inputs, outputs = factors["inputs"][row, :k], factors["outputs"][row, :k]  # [k, d, r], [k, r, f]
         return {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
             # split over "model" on a mesh, padded with zero channels to n_R' (base.copy_channels)
-            "gate_up": copy_channels_or_empty(w["gate_up"], retained, axis=1),  # [2, n_R', d]
-            "down_retained": copy_channels_or_empty(w["down"], retained, axis=1),  # [d, n_R']
+            "gate_up": copy_channels_or_empty(w.gate_up, retained, axis=1),  # [2, n_R', d]
+            "down_retained": copy_channels_or_empty(w.down, retained, axis=1),  # [d, n_R']
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows
-            "gate_up_candidates": take_gate_up(w["gate_up"], candidates).swapaxes(0, 1),  # [n_C, 2, d]
-            "down_candidates": take_channels(w["down"], candidates, axis=1).T,  # [n_C, d]
-            "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),  # [n_C]
+            "gate_up_candidates": take_gate_up(w.gate_up, candidates).swapaxes(0, 1),  # [n_C, 2, d]
+            "down_candidates": take_channels(w.down, candidates, axis=1).T,  # [n_C, d]
+            "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),  # [n_C]
         }
 
     def estimated_scores(self, state, x, valid, act=jax.nn.silu) -> jax.Array:
@@ -206,17 +206,16 @@ class LowRankScorer(CandidateScorer):
 
 def lowrank_plan(f: int, n_keep: int, m: int = 0, aggregate: str = "shared", rank: int = 1, project: str = "gate_up",
                  blocks: int = 0) -> POPPlan:
-    """The plan `LowRankPOP` binds to, at these sizes; it reads `lowrank_data` from ``w["data"]``."""
+    """The plan `LowRankPOP` binds to, at these sizes; it reads `lowrank_data` from ``w.data``."""
     return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, scorer=LowRankScorer(rank, project), blocks=blocks)
 
 
-LowRankPlan = lowrank_plan  # the name of the plan class this replaced (popjax.methods exports it)
 
 
 @dataclasses.dataclass(frozen=True)
 class LowRankPOP(POPPreset):
     """POP with candidates scored at rank r: ``LowRankPOP(ratio=0.2, gamma=0.5, rank=64,
-    project="gate_up" | "gate", aggregate="shared" | "per_sequence")``.
+    project="gate_up" | "gate", aggregate="per_sequence" | "shared")``.
 
     Args:
       ratio, gamma, aggregate: as POP.

@@ -30,7 +30,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ...models.quant import empty_along
+from ... import kernels
+from ...kernels.decode_ffn import gather_matvec
+from ...kernels.ffn_layout import InputRows, channel_lines, input_layout
+from ...kernels.int8 import Int8Weight, empty_along
 from ...sharding import pad_ids
 from ..prompt_tokens import scoring_tokens
 from ..base import (gate_activation, 
@@ -44,7 +47,7 @@ class CandidateScorer:
     """How a decode step scores the candidates C and picks m of them (part of a `POPPlan`)."""
 
     name: ClassVar[str] = "pop"  # the registry name of the method this scorer makes of POP
-    requires_data: ClassVar[bool] = False  # reads the method's calibrated data (w["data"])
+    requires_data: ClassVar[bool] = False  # reads the method's calibrated data (w.data)
 
     @property
     def compact_weights(self) -> bool:
@@ -76,7 +79,13 @@ class ExactScorer(CandidateScorer):
     the state (on a mesh split over "model", base.copy_channels); a step runs dense matmuls on
     those blocks and gathers only the m selected down rows. ``gather=True`` (POP's
     ``weights="gather"``) keeps channel ids only and gathers the rows from the model's weights
-    at every step instead: same outputs, no copy."""
+    at every step instead: same outputs, no copy.
+
+    With a Pallas ``plan.kernel`` (POP's ``kernel``) C's down rows are copied at prefill as
+    `ffn_layout.InputRows` [n_C, L, 128] (row i = candidate i's down column, zero past d) and a
+    step adds the m selected ones through `kernels.decode_ffn.gather_matvec`, which reads only
+    those m rows. The gate/up rows of R ∪ C stay a dense compact block: every candidate's
+    score needs its H, so a step reads them all whatever the kernel (docs/kernels.md)."""
 
     gather: bool = False
 
@@ -90,21 +99,23 @@ class ExactScorer(CandidateScorer):
         state = {
             "retained_idx": retained,
             "candidate_idx": candidates,
-            "down_norm_candidates": take_channels(w["down_norm"], candidates, axis=0),
+            "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),
         }
         if not self.gather:
             state.update(exact_blocks(w, retained, candidates))
+            if plan.kernel != "xla":
+                state["down_candidates"] = candidate_rows(w.down, candidates)
         return state
 
     def decode(self, plan, w, state, x, valid):
         """With ``gather`` the R ∪ C gate/up rows and R's down columns are gathered from the
         model's weights here, every step, instead of read from the prefill's copy."""
         if self.gather:
-            gate_up = take_gate_up(w["gate_up"], jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
+            gate_up = take_gate_up(w.gate_up, jnp.concatenate([state["retained_idx"], state["candidate_idx"]]))
         else:
             gate_up = state["gate_up"]
         h = activations(gate_up, x, gate_activation(w))  # [B, 1, (n_R' + n_C)']
-        down_retained = take_channels(w["down"], state["retained_idx"], axis=1) if self.gather else state["down_retained"]
+        down_retained = take_channels(w.down, state["retained_idx"], axis=1) if self.gather else state["down_retained"]
         n_r = down_retained.shape[-1]  # n_R' (padded on a mesh, see exact_blocks)
         h_retained, h_candidates = h[..., :n_r], h[..., n_r : n_r + plan.n_candidates]
         y = down_proj(h_retained, down_retained)
@@ -113,16 +124,24 @@ class ExactScorer(CandidateScorer):
         scores = step_importance(h_candidates, valid, state["down_norm_candidates"])  # [n_C]
         top_scores, selected = jax.lax.top_k(scores, plan.m)  # S_t, positions within C
         selected_ids = take_channels(state["candidate_idx"], selected, axis=0)
+        if plan.kernel != "xla":  # the kernel reads the m selected rows of C's InputRows copy
+            batch, d = x.shape[0], x.shape[-1]
+            h_c = h_candidates.reshape(batch, plan.n_candidates)
+            y_c = gather_matvec(h_c, state["down_candidates"], selected, out_features=d, kernel=plan.kernel)
+            return y + y_c.reshape(y.shape).astype(y.dtype), {"selected": selected_ids, "scores": top_scores}
         if self.gather:  # only the m selected down columns, as rows [m, d]
-            down_selected = take_channels(w["down"], selected_ids, axis=1).T
+            down_selected = take_channels(w.down, selected_ids, axis=1).T
         else:
             down_selected = take_channels(state["down_candidates"], selected, axis=0)
         y = y + take_channels(h_candidates, selected, axis=-1) @ down_selected
         return y, {"selected": selected_ids, "scores": top_scores}
 
     def weights_read(self, plan, d):
-        """Gate/up of R ∪ C, down of the n_keep used: 3d·n_R + 2d·n_C + d·m."""
-        return 2 * d * (plan.n_retained + plan.n_candidates) + d * plan.n_keep
+        """Gate/up of R ∪ C, down of the n_keep used: 3d·n_R + 2d·n_C + d·m. The TPU kernel
+        (and its interpret mode) reads each selected down row whole, L·128 ≥ d elements
+        (`ffn_layout.channel_lines`); the GPU kernel loads only the first d."""
+        width = channel_lines(d) * 128 if plan.kernel in ("pallas-tpu", "pallas-interpret") else d
+        return 2 * d * (plan.n_retained + plan.n_candidates) + d * plan.n_retained + width * plan.m
 
     def flops(self, plan, d):
         return 4 * d * (plan.n_retained + plan.n_candidates) + 2 * d * plan.n_keep
@@ -145,10 +164,22 @@ def exact_blocks(w, retained, candidates) -> dict:
     n_R' ≥ n_R); C's down rows, which every step gathers from, stay replicated."""
     retained = pad_ids(retained)
     return {
-        "gate_up": copy_gate_up(w["gate_up"], jnp.concatenate([retained, candidates])),
-        "down_retained": copy_channels_or_empty(w["down"], retained, axis=1),
-        "down_candidates": take_channels(w["down"], candidates, axis=1).T,
+        "gate_up": copy_gate_up(w.gate_up, jnp.concatenate([retained, candidates])),
+        "down_retained": copy_channels_or_empty(w.down, retained, axis=1),
+        "down_candidates": take_channels(w.down, candidates, axis=1).T,
     }
+
+
+def candidate_rows(down, candidates: jax.Array) -> InputRows:
+    """C's down columns as the kernel's input-major rows: down [d, f] (an array or an
+    `Int8Weight`, its per-output-channel scale [d, 1] kept), candidates [n_C] ->
+    `ffn_layout.InputRows` values [n_C, L, 128] (+ scale [1, L·128] for int8). The kernel
+    reads int8 weight-only (its h stays float), also on a model whose dots quantize
+    activations (``Int8Weight.activations == "int8"``)."""
+    columns = take_channels(down, candidates, axis=1)  # [d, n_C]
+    if isinstance(columns, Int8Weight):
+        return input_layout(columns.values, jnp.broadcast_to(columns.scale, (columns.shape[0], 1)))
+    return input_layout(columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +258,15 @@ class POPPlan(AggregatedPlan):
     band: BandRule = GLOBAL_BAND
     blocks: int = 0
     prompt_tokens: str = "all"  # which prompt tokens of a VLM's prompt score the partition (prompt_tokens.py)
+    # what reads the selected candidates' rows at decode (`popjax.kernels.RESOLVED`, resolved at
+    # bind by `kernels.choose`): "xla", or a Pallas kernel (ExactScorer with compact weights only)
+    kernel: str = "xla"
 
     def __post_init__(self):
         self.band.check(self.scorer)
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
+        if self.kernel != "xla" and not (type(self.scorer) is ExactScorer and not self.scorer.gather):
+            raise MethodError(f"kernel={self.kernel!r} is wired for POP's exact scorer with compact weights only, not {self.scorer!r}")
 
     @property
     def name(self) -> str:  # what the presets are registered as: "pop", "pop-gate", ...
@@ -259,9 +296,9 @@ class POPPlan(AggregatedPlan):
 
     def prefill(self, w, x, valid):
         """The prompt tokens that score the partition replace ``valid`` (image tokens read from
-        ``w["image_tokens"]``, present for a batch with images)."""
+        ``w.image_tokens``, present for a batch with images)."""
         per_row = self.aggregate == "per_sequence"
-        return super().prefill(w, x, scoring_tokens(valid, w.get("image_tokens"), self.prompt_tokens, per_row))
+        return super().prefill(w, x, scoring_tokens(valid, w.image_tokens, self.prompt_tokens, per_row))
 
     def _prefill(self, w, x, valid):
         return self.band.prefill(self, w, x, valid)

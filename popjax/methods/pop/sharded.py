@@ -15,7 +15,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ...models.quant import take_along_axis
+from ...kernels.int8 import take_along_axis
 from ...sharding import constrain
 from ..base import gate_activation, IN_BOUNDS, TAKE_MODE, AggregatedPlan, activations, dot, down_proj, prefill_importance
 
@@ -60,18 +60,18 @@ class POPShardedPlan(AggregatedPlan):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
         S, block, keep = self.shards, self.block, self.n_keep // self.shards
         n_r, n_c = self.n_retained, self.n_candidates
-        h = activations(w["gate_up"], x, gate_activation(w))  # [B, T, f]
-        importance = prefill_importance(h, valid, w["down_norm"])  # [f]
+        h = activations(w.gate_up, x, gate_activation(w))  # [B, T, f]
+        importance = prefill_importance(h, valid, w.down_norm)  # [f]
         order = jax.lax.top_k(importance.reshape(S, block), block)[1]  # [S, block] ids within each block
         rows = jnp.arange(S)[:, None]
         kept = jnp.zeros((S, block), h.dtype).at[rows, order[:, :keep]].set(1, mode=IN_BOUNDS)
-        y = down_proj(h * kept.reshape(-1), w["down"])
+        y = down_proj(h * kept.reshape(-1), w.down)
         offset = rows * block
         state = {
             "retained_idx": order[:, :n_r] + offset,
             "candidate_idx": order[:, n_r : n_r + n_c] + offset,
             "down_norm_candidates": jnp.take_along_axis(
-                w["down_norm"].reshape(S, block), order[:, n_r : n_r + n_c], axis=1, mode=TAKE_MODE
+                w.down_norm.reshape(S, block), order[:, n_r : n_r + n_c], axis=1, mode=TAKE_MODE
             ),
         }
         if not self.gather:
@@ -85,12 +85,12 @@ class POPShardedPlan(AggregatedPlan):
     def _gate_up_rows(self, w, live):
         """Gate/up rows of channels ``live`` [S, n] (ids within each shard's block) -> [2, S, n, d];
         each shard gathers from its own block only (take_along_axis on the [S, f/S] view)."""
-        gate_up = w["gate_up"].reshape(2, self.shards, self.block, -1)  # gate/up × block × channel
+        gate_up = w.gate_up.reshape(2, self.shards, self.block, -1)  # gate/up × block × channel
         return take_along_axis(gate_up, live[None, :, :, None], axis=2, mode=TAKE_MODE)
 
     def _down_rows(self, w, live):
         """Down columns of channels ``live`` [S, n], as rows [S, n, d] (a step gathers contiguously)."""
-        down = take_along_axis(w["down"].reshape(-1, self.shards, self.block), live[None], axis=2, mode=TAKE_MODE)
+        down = take_along_axis(w.down.reshape(-1, self.shards, self.block), live[None], axis=2, mode=TAKE_MODE)
         return down.transpose(1, 2, 0)
 
     def _blocks(self, w, live):

@@ -64,7 +64,7 @@ class ShortlistScorer(CandidateScorer):
             up = dot("btd,nd->btn", x, state["up_candidates"])
             state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
         elif self.prior == "gated_up":
-            gate = gate_activation(w)(dot("btd,nd->btn", x, take_channels(w["gate_up"][0], candidates, axis=0)))
+            gate = gate_activation(w)(dot("btd,nd->btn", x, take_channels(w.gate_up[0], candidates, axis=0)))
             up = dot("btd,nd->btn", x, state["up_candidates"])
             importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
             gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
@@ -107,13 +107,12 @@ def shortlist_plan(f: int, n_keep: int, m: int = 0, s: int = 0, aggregate: str =
     return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=m, scorer=ShortlistScorer(s, prior), band=band)
 
 
-ShortlistPlan = shortlist_plan  # the name of the plan class this replaced (popjax.methods exports it)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShortlistPOP(POPPreset):
     """POP whose band is shortlisted by gate scores before exact scoring:
-    ``ShortlistPOP(ratio=0.4, gamma=1.0, shortlist=0.75, aggregate="shared" | "per_sequence")``.
+    ``ShortlistPOP(ratio=0.4, gamma=1.0, shortlist=0.75, aggregate="per_sequence" | "shared")``.
 
     Args:
       ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
@@ -124,7 +123,7 @@ class ShortlistPOP(POPPreset):
       band: "pop" (POP's sizes: n_C = 2m) or "all" (every channel outside R is a candidate, and
         m = round(γ·n_keep) channels are chosen per step: γ = 1 leaves R empty).
       prior: "none" (gate score) or "up" (gate score × the prompt's up norm per candidate).
-      aggregate: "shared" (one partition and selection per batch) or "per_sequence".
+      aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
     """
 
     name: ClassVar[str] = "pop-shortlist"

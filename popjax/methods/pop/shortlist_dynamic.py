@@ -53,13 +53,12 @@ def shortlist_dynamic_plan(f: int, n_keep: int, s: int = 0, prior: str = "up", a
     return POPPlan(f=f, n_keep=n_keep, aggregate=aggregate, m=n_keep, scorer=ShortlistScorer(s, prior), band=UNKEPT_BAND)
 
 
-ShortlistDynamicPlan = shortlist_dynamic_plan  # the name of the plan class this replaced (popjax.methods exports it)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShortlistDynamic(RatioMethod):
     """Dynamic selection over a shortlist of every channel:
-    ``ShortlistDynamic(ratio=0.4, shortlist=0.65, prior="up", aggregate="shared" | "per_sequence")``.
+    ``ShortlistDynamic(ratio=0.4, shortlist=0.65, prior="up", aggregate="per_sequence" | "shared")``.
 
     Args:
       ratio: global fraction of decoder parameters removed (docs/methods.md §1), all from the FFN.
@@ -67,7 +66,7 @@ class ShortlistDynamic(RatioMethod):
         (s = round(σ·f), at least n_keep); 1 selects what dynamic selects.
       prior: the per-channel weight of the gate estimate, from the prompt: "up" (the up
         projection's norm), "gated_up" (the up magnitude where the gate opens) or "none".
-      aggregate: "shared" (one selection per batch) or "per_sequence".
+      aggregate: "per_sequence" (default: a selection per sequence) or "shared" (one per batch).
     """
 
     name: ClassVar[str] = "dynamic-shortlist"

@@ -152,9 +152,8 @@ def layer_streams(model, tokens: jax.Array, valid: jax.Array, skip: tuple[int, .
     rope = layer_rope(cfg, positions_from_mask(valid.astype(jnp.int32)))
     angles = lambda i: rope[cfg.layer_type(i)]
     plan = Dense().bind(cfg)
-    # ``routed`` [B, T]: a MoE expert's tokens (models/moe.py), narrowing ``valid`` as the engine does
-    mlp = lambda w, _state, h, routed=None: plan.prefill(w, h, valid if routed is None else valid & routed)
-    run = lambda i, x: model.layers[i](x, *angles(i), valid, None, 0, mlp, None, None, i)[0]
+    mlp = lambda w, _state, h, rows: plan.prefill(w, h, rows)  # rows: ``valid`` (a MoE expert's: its tokens)
+    run = lambda i, x: model.layers[i](x, *angles(i), valid, None, mlp, None, valid, i)[0]
     x_full = model.embed_tokens(tokens)
     x_skip = x_full
     inputs_skip, inputs_full = [], []

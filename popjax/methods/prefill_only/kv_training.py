@@ -31,9 +31,9 @@ from flax import nnx
 
 from ...calibration import Corpus
 from .kv_calibration import KVCalibrationError, window_batches, layer_streams, original_kv
-from ...models.attention import MASKED, in_window
+from ...kernels.attention import MASKED, in_window
 from ...models.layers import group_kv
-from ...models.quant import dequantized
+from ...kernels.int8 import dequantized
 
 DEFAULT_TOKENS = 4096
 DEFAULT_STEPS = 100

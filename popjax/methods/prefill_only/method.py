@@ -32,7 +32,7 @@ import dataclasses
 from typing import ClassVar
 
 from ...models.config import ModelConfig
-from ...models.decoder import LayerSchedule
+from ...models.interface import LayerControl
 from ..base import DensePlan, Method, MethodError, Plan
 from ..dense import Dense
 from .calibrate import calibrate_kv
@@ -65,11 +65,15 @@ class PrefillOnlyPlan(Plan):
     def ffn_weights_read_per_step(self, d: int, batch: int) -> int:
         return self.mlp.ffn_weights_read_per_step(d, batch)
 
-    def layer_schedule(self, n_layers: int) -> LayerSchedule:
+    def layer_control(self, n_layers: int, data=None) -> LayerControl:
+        """Prefill skips the ``skipped`` layers: they only project K/V ("kv": with their own rows,
+        or with the calibrated projections in ``data["kv_weights"]``) or, with ``kv="none"``, write
+        nothing, and their attention ignores the prompt's slots in decode."""
         skipped_mode = "none" if self.kv == "none" else "kv"
-        return LayerSchedule(
+        return LayerControl(
             tuple(skipped_mode if i in self.skipped else "full" for i in range(n_layers)),
             prefix_masked=frozenset(self.skipped) if self.kv == "none" else frozenset(),
+            kv_weights=data["kv_weights"] if self.kv == "calibrated" else None,
         )
 
     @property

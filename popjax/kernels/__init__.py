@@ -1,0 +1,39 @@
+"""The kernels home: the compute the model's layers and the methods' plans call, behind small
+functional interfaces, so that a faster kernel for one platform drops in at one place.
+
+* `attention`: prefill (causal, flash-style beyond one block) and the one decode kernel every
+  cached layer runs, over a block reader (a layer's cache, a ring, a scanned model's stack).
+* `int8`: the int8 weight format (`Int8Weight`: int8 values, per-output-channel scales) and
+  its dot forms (`dot`: weight-only or int8 activations, two passes for outlier-heavy inputs).
+* `ffn_layout`: the decode-FFN kernels' weight layouts (`BlockSlab`, `ChannelRows`,
+  `InputRows`), selections and byte counts; `ffn_tpu` (Mosaic: `block_ffn`, `gather_ffn`),
+  `matvec_tpu` (`gather_matvec`) and `ffn_gpu` (Triton: the same three) read only the weight
+  rows or blocks a decode step selected (docs/kernels.md).
+* Here: `choose`, the ONE place that maps a method's ``kernel`` hyper-parameter ("auto",
+  "xla", "pallas") to what runs on this platform (`RESOLVED`); `decode_ffn` calls the kernel a
+  resolved value names (a plan imports it; importing this package does not load Pallas).
+
+This package imports nothing else of popjax: it is the bottom layer of the import contract.
+"""
+
+from __future__ import annotations
+
+import jax
+
+KERNELS = ("auto", "xla", "pallas")  # what a method's ``kernel`` hyper-parameter takes
+# what `choose` resolves to: XLA's ops, or the Pallas kernels of one platform; "pallas-interpret"
+# runs the TPU kernels in Pallas' interpret mode (a CPU, when "pallas" is forced: the tests)
+RESOLVED = ("xla", "pallas-tpu", "pallas-gpu", "pallas-interpret")
+_PALLAS_BACKENDS = {"tpu": "pallas-tpu", "gpu": "pallas-gpu", "cuda": "pallas-gpu"}
+
+
+def choose(kernel: str, backend: str | None = None) -> str:
+    """``kernel`` ("auto", "xla" or "pallas") -> one of `RESOLVED` for ``backend`` (default:
+    ``jax.default_backend()``): "auto" is Pallas on TPU and GPU and XLA elsewhere; "pallas" on
+    a platform without a compiled kernel (a CPU) is interpret mode. ValueError on another value."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+    backend = backend or jax.default_backend()
+    if kernel == "xla" or (kernel == "auto" and backend not in _PALLAS_BACKENDS):
+        return "xla"
+    return _PALLAS_BACKENDS.get(backend, "pallas-interpret")

@@ -1,0 +1,251 @@
+"""Pallas GPU (Triton backend) kernels for a decode step's pruned FFN over x [B, d] (B 1–64):
+the same `block_ffn` and `gather_ffn` as `ffn_tpu` and `gather_matvec` as `matvec_tpu`, on the
+same layouts and selections.
+
+A GPU loads rows through indexed loads (``ref[ids[:, None], cols[None, :]]``, as jax's
+``pallas/ops/gpu/paged_attention.py`` and TEAL's ``kernels/sparse_gemv.py`` do), so both
+kernels run one pair of Triton kernels on a list of weight rows per position:
+
+1. gate/up: a program per chunk of ``chunk`` positions loads their gate and up rows tile by
+   tile over d, and writes h = act(gate · x) ⊙ (up · x) ⊙ mask [B, chunk] (f32);
+2. down: a program per (d tile, split) adds h · down rows over its share of the chunks and
+   writes a f32 partial [B, d tile]; the ``splits`` partials are summed after the call.
+
+Split-K partials instead of TEAL's ``atomic_add`` keep the sum deterministic and any dtype (the
+paper's anchors are fp16-only for that reason). Positions a selection does not keep are masked
+in the loads, so they move no bytes. Lowered for CUDA with ``jax.jit(f).trace(...).lower(
+lowering_platforms=("cuda",))``; ``interpret=True`` runs them on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .ffn_layout import (
+    BlockSlab,
+    ChannelRows,
+    InputRows,
+    activation,
+    channel_lines,
+    check_activation,
+    check_x,
+    select_blocks,
+    select_channels,
+)
+
+CHUNK = 32  # positions per gate/up program (the K of the down dot: Triton wants >= 16)
+D_TILE = 128  # columns per load and per down program
+TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs): enough down programs to fill it
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, act, batch, d, chunk, d_tile, int8):
+    gs_ref, h_ref = refs if int8 else (None, refs[0])
+    pos = pl.program_id(0) * chunk + jnp.arange(chunk)
+    gid, uid, keep = gid_ref[pos], uid_ref[pos], keep_ref[pos] == 1
+    rows = jnp.arange(max(16, _pow2(batch)))  # Triton's dot wants M >= 16
+    live = rows < batch
+    row_ix = jnp.minimum(rows, batch - 1)
+
+    def tile(k, carry):
+        g, u = carry
+        cols = k * d_tile + jnp.arange(d_tile)
+        in_d = cols < d
+        cols = jnp.minimum(cols, d - 1)
+        xs = plgpu.load(x_ref.at[row_ix[:, None], cols[None, :]], mask=live[:, None] & in_d[None, :], other=0)
+        use = keep[:, None] & in_d[None, :]
+        gw = plgpu.load(w_ref.at[gid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
+        uw = plgpu.load(w_ref.at[uid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
+        exact = xs.dtype == jnp.float32
+        g += plgpu.dot(xs, gw, trans_b=True, allow_tf32=not exact)
+        u += plgpu.dot(xs, uw, trans_b=True, allow_tf32=not exact)
+        return g, u
+
+    zero = jnp.zeros((rows.shape[0], chunk), jnp.float32)
+    g, u = lax.fori_loop(0, pl.cdiv(d, d_tile), tile, (zero, zero))
+    if int8:
+        g = g * gs_ref[0, pos][None, :]
+        u = u * gs_ref[1, pos][None, :]
+    mask = plgpu.load(mask_ref.at[row_ix[:, None], pos[None, :]], mask=live[:, None], other=0)
+    # Stores index with the unclamped rows: masked lanes must not alias a live one (the CPU
+    # interpreter writes a masked lane's old value back, in no particular order).
+    plgpu.store(h_ref.at[rows[:, None], pos[None, :]], act(g) * u * mask, mask=live[:, None])
+
+
+def _down_kernel(h_ref, w_ref, did_ref, keep_ref, part_ref, *, batch, d, chunk, d_tile, chunks, splits, dtype):
+    j, s = pl.program_id(0), pl.program_id(1)
+    out_cols = j * d_tile + jnp.arange(d_tile)
+    in_d = out_cols < d
+    cols = jnp.minimum(out_cols, d - 1)
+    rows = jnp.arange(max(16, _pow2(batch)))
+    live = rows < batch
+    row_ix = jnp.minimum(rows, batch - 1)
+
+    def step(t, acc):
+        pos = (s + t * splits) * chunk + jnp.arange(chunk)
+        keep = keep_ref[pos] == 1
+        h = plgpu.load(h_ref.at[row_ix[:, None], pos[None, :]], mask=live[:, None], other=0).astype(dtype)
+        w = plgpu.load(w_ref.at[did_ref[pos][:, None], cols[None, :]], mask=keep[:, None] & in_d[None, :], other=0)
+        return acc + plgpu.dot(h, w.astype(dtype), allow_tf32=dtype != jnp.float32)
+
+    acc = lax.fori_loop(0, pl.cdiv(chunks - s, splits), step, jnp.zeros((rows.shape[0], d_tile), jnp.float32))
+    plgpu.store(part_ref.at[s, rows[:, None], out_cols[None, :]], acc, mask=live[:, None] & in_d[None, :])
+
+
+def rows_ffn(
+    x: jax.Array,
+    weights: jax.Array,
+    row_ids: jax.Array,
+    keep: jax.Array,
+    mask: jax.Array | None,
+    gate_up_scale: jax.Array | None = None,
+    down_scale: jax.Array | None = None,
+    *,
+    act: str = "silu",
+    interpret: bool = False,
+    splits: int | None = None,
+) -> jax.Array:
+    """The FFN over a list of weight rows: x [B, d]; weights [R, ≥d] (float or int8); row_ids
+    [3, U] int32 (the gate, up and down row of each position); keep [U] int32; mask [U, B]
+    fp32 or None; int8 scales gate_up_scale [2, U] and down_scale [1, ≥d]. -> y [B, d]."""
+    batch, d = x.shape
+    act_fn = activation(act)
+    n = keep.shape[0]
+    chunks = -(-n // CHUNK)
+    pad = chunks * CHUNK - n
+    mask = keep[:, None].astype(jnp.float32) if mask is None else mask
+    mask = jnp.pad(jnp.broadcast_to(mask, (n, batch)), ((0, pad), (0, 0))).T  # [B, U]
+    row_ids = jnp.pad(row_ids, ((0, 0), (0, pad)), mode="edge")
+    keep = jnp.pad(keep, (0, pad))
+    int8 = gate_up_scale is not None
+    d_tiles = -(-d // D_TILE)
+    splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
+    params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    extra = [jnp.pad(gate_up_scale, ((0, 0), (0, pad)))] if int8 else []
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, act=act_fn, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, int8=int8),
+        grid=(chunks,),
+        out_shape=jax.ShapeDtypeStruct((batch, chunks * CHUNK), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="gate_up_rows",
+    )(x, weights, row_ids[0], row_ids[1], keep, mask, *extra)
+    parts = pl.pallas_call(
+        functools.partial(
+            _down_kernel, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=x.dtype
+        ),
+        grid=(d_tiles, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, batch, d), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="down_rows",
+    )(h, weights, row_ids[2], keep)
+    y = parts.sum(axis=0)
+    if int8:
+        y = y * down_scale[:, :d]
+    return y.astype(x.dtype)
+
+
+def block_ffn(
+    x: jax.Array,
+    slab: BlockSlab,
+    block_ids: jax.Array,
+    row_mask: jax.Array | None = None,
+    *,
+    count: int | jax.Array | None = None,
+    act: str = "silu",
+    interpret: bool = False,
+    splits: int | None = None,
+) -> jax.Array:
+    """`ffn_tpu.block_ffn` on a GPU: x [B, d], slab values [nb, 3, b, d], block_ids [n]
+    (+ count, + row_mask [B, nb]) -> y [B, d]."""
+    check_activation(act)
+    nb, three, b, d = slab.values.shape
+    if three != 3:
+        raise ValueError(f"slab values of shape {tuple(slab.values.shape)} are not [nb, 3, b, d]")
+    check_x(x, d)
+    sel = select_blocks(block_ids, nb, x.shape[0], count, row_mask)
+    base = sel.ids[:, None] * 3 * b + jnp.arange(b)[None, :]  # the gate row of each channel
+    row_ids = jnp.stack([(base + k * b).reshape(-1) for k in range(3)])
+    keep = jnp.repeat(sel.keep, b)
+    mask = None if sel.mask is None else jnp.repeat(sel.mask, b, axis=0)
+    gus = None if slab.gate_up_scale is None else slab.gate_up_scale[sel.ids].transpose(1, 0, 2).reshape(2, -1)
+    flat = slab.values.reshape(nb * 3 * b, d)
+    return rows_ffn(x, flat, row_ids, keep, mask, gus, slab.down_scale, act=act, interpret=interpret, splits=splits)
+
+
+def gather_ffn(
+    x: jax.Array,
+    rows: ChannelRows,
+    ids: jax.Array,
+    *,
+    count: int | jax.Array | None = None,
+    act: str = "silu",
+    interpret: bool = False,
+    splits: int | None = None,
+) -> jax.Array:
+    """`ffn_tpu.gather_ffn` on a GPU: x [B, d], rows values [3, f, L, 128], ids [m] or [B, m]
+    (+ count) -> y [B, d]. The columns past d are never loaded."""
+    check_activation(act)
+    three, f, lines, lanes = rows.values.shape
+    if three != 3 or lanes != 128 or lines * 128 < x.shape[-1]:
+        raise ValueError(f"rows values of shape {tuple(rows.values.shape)} do not fit x of shape {tuple(x.shape)}")
+    check_x(x, x.shape[-1])
+    sel = select_channels(ids, f, x.shape[0], count)
+    row_ids = jnp.stack([sel.ids + k * f for k in range(3)])
+    gus = None if rows.gate_up_scale is None else rows.gate_up_scale[:, sel.ids]
+    flat = rows.values.reshape(3 * f, lines * 128)
+    return rows_ffn(x, flat, row_ids, sel.keep, sel.mask, gus, rows.down_scale, act=act, interpret=interpret, splits=splits)
+
+
+def gather_matvec(
+    x: jax.Array,
+    rows: InputRows,
+    ids: jax.Array,
+    *,
+    out_features: int,
+    count: int | jax.Array | None = None,
+    interpret: bool = False,
+    splits: int | None = None,
+) -> jax.Array:
+    """`matvec_tpu.gather_matvec` on a GPU: y [B, n] = W · x over x's inputs ``ids`` ([m] or
+    [B, m], + count), W as `InputRows` [k, L, 128]. The down kernel of `rows_ffn` with x's
+    values at the positions in place of h."""
+    k, lines, lanes = rows.values.shape
+    if lanes != 128 or lines != channel_lines(out_features):
+        expected = f"[k, {channel_lines(out_features)}, 128]"
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; expected {expected}")
+    check_x(x, k)
+    batch = x.shape[0]
+    sel = select_channels(ids, k, batch, count)
+    mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
+    n = sel.ids.shape[0]
+    chunks = -(-n // CHUNK)
+    pad = chunks * CHUNK - n
+    xs = jnp.pad((x[:, sel.ids].astype(jnp.float32) * mask.T), ((0, 0), (0, pad)))  # [B, U]
+    d_tiles = -(-out_features // D_TILE)
+    splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
+    kernel = functools.partial(
+        _down_kernel, batch=batch, d=out_features, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=x.dtype
+    )
+    parts = pl.pallas_call(
+        kernel,
+        grid=(d_tiles, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, batch, out_features), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="input_rows",
+    )(xs, rows.values.reshape(k, lines * 128), jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad)))
+    y = parts.sum(axis=0)
+    if rows.scale is not None:
+        y = y * rows.scale[:, :out_features]
+    return y.astype(x.dtype)

@@ -1,0 +1,291 @@
+"""What the decode-FFN kernels share: their weight layouts, how a selection becomes the ids a
+kernel reads, the activations, the checks on their inputs, and the bytes each one moves.
+
+The FFN is y = down · (act(gate · x) ⊙ up · x) for x [B, d], gate/up [f, d] (popjax keeps them
+stacked as ``gate_up [2, f, d]``) and down [d, f]. A kernel reads only the selected channels,
+so a channel's three weight vectors must be cheap to fetch together:
+
+* `BlockSlab` (block-granular kernels): ``values [f/b, 3, b, d]``, block j = the gate rows, up
+  rows and down columns (transposed to rows) of channels j·b .. j·b+b-1, one contiguous slab;
+* `ChannelRows` (channel-granular kernels): ``values [3, f, L, 128]``, gate, up and down rows
+  of each channel, a row of d cut into L = ceil(d / 1024) · 8 lines of 128 (zero-padded past d).
+  That shape is what lets a TPU DMA fetch any one channel: XLA:TPU tiles HBM arrays in (8, 128)
+  tiles over the last two dims, so with L a multiple of 8 a channel is whole tiles, and Mosaic
+  refuses a DMA whose offset falls inside a tile (a row of a [f, d] array). With L not a
+  multiple of 8, or a [f, 1, d] shape, XLA picks a layout with the dims reordered and copies the
+  whole array before every call (measured: docs/kernels.md).
+
+int8 weights (popjax/kernels/int8.py's format) are int8 values with fp32 per-output-channel scales:
+``gate_up_scale [2, f, 1]`` (a channel's scale travels with its gate/up rows) and
+``down_scale [d, 1]`` (one per output, applied to the kernel's accumulator).
+
+A selection is ``ids [n]`` with ``count``: ids[:count] are selected, ids[count:] are padding
+(ignored whatever their value); a selected id equal to its selected predecessor counts once (so
+a sorted list with repeats is a set); an id outside the range contributes nothing. `select`
+turns that into what a kernel reads: fetch ids (clamped into range, padding repeating the last
+selected id so a pipeline does not fetch again) and a keep flag per position.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # models.config.FFN_ACTIVATIONS' names
+MAX_BATCH = 64
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+X_DTYPES = ("float32", "bfloat16")
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+class BlockSlab(NamedTuple):
+    """Block-granular weights. values [nb, 3, b, d] (float or int8); for int8, gate_up_scale
+    [nb, 2, b] fp32 and down_scale [1, d] fp32, else None."""
+
+    values: jax.Array
+    gate_up_scale: jax.Array | None = None
+    down_scale: jax.Array | None = None
+
+
+class ChannelRows(NamedTuple):
+    """Channel-granular weights. values [3, f, L, 128] (L = `channel_lines(d)`); for int8,
+    gate_up_scale [2, f] fp32 and down_scale [1, L·128] fp32 (1 past d), else None."""
+
+    values: jax.Array
+    gate_up_scale: jax.Array | None = None
+    down_scale: jax.Array | None = None
+
+
+class InputRows(NamedTuple):
+    """Input-major weights, for methods that sparsify a matmul's *input* per token (TEAL, WINA,
+    principal TEAL): values [k, L, 128], row i = the column of W [n, k] that input i multiplies
+    (L = `channel_lines(n)`, zero past n); scale [1, L·128] fp32 (int8: W's per-output-channel
+    scales, 1 past n) or None."""
+
+    values: jax.Array
+    scale: jax.Array | None = None
+
+
+class Selection(NamedTuple):
+    """What a kernel reads: fetch ids [n] int32 (in range), keep [n] int32 (1 = add this
+    position), and mask [n, B] fp32 (keep × the row's own choice) or None (every row)."""
+
+    ids: jax.Array
+    keep: jax.Array
+    mask: jax.Array | None
+
+
+def _check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
+    if gate_up.ndim != 3 or gate_up.shape[0] != 2 or down.ndim != 2 or down.shape != (gate_up.shape[2], gate_up.shape[1]):
+        raise ValueError(
+            f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not an FFN's weights; expected gate_up [2, f, d] and down [d, f]"
+        )
+    f, d = gate_up.shape[1], gate_up.shape[2]
+    if jnp.dtype(gate_up.dtype) == jnp.int8:
+        if gate_up_scale is None or down_scale is None:
+            raise ValueError("int8 weights need gate_up_scale [2, f, 1] and down_scale [d, 1] (fp32 per-output-channel scales)")
+        if tuple(gate_up_scale.shape) != (2, f, 1) or tuple(down_scale.shape) != (d, 1):
+            raise ValueError(
+                f"scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale {tuple(down_scale.shape)} do not fit "
+                f"f={f}, d={d}; expected [2, {f}, 1] and [{d}, 1]"
+            )
+    elif gate_up_scale is not None or down_scale is not None:
+        raise ValueError(f"scales were given for {jnp.dtype(gate_up.dtype).name} weights; scales are for int8 weights only")
+    if jnp.dtype(gate_up.dtype).name not in WEIGHT_DTYPES or down.dtype != gate_up.dtype:
+        raise ValueError(f"weights of dtype {gate_up.dtype}/{down.dtype} are not supported; use one of {list(WEIGHT_DTYPES)} for both")
+
+
+def block_layout(
+    gate_up: jax.Array, down: jax.Array, block_size: int, gate_up_scale: jax.Array | None = None, down_scale: jax.Array | None = None
+) -> BlockSlab:
+    """gate_up [2, f, d], down [d, f] (+ int8 scales [2, f, 1], [d, 1]) -> `BlockSlab` with
+    values [f/b, 3, b, d]. Run once per model (it copies the weights)."""
+    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    f, d = gate_up.shape[1], gate_up.shape[2]
+    if block_size < 1 or f % block_size:
+        raise ValueError(f"block size {block_size} does not divide the {f} channels; use a divisor of {f}")
+    nb = f // block_size
+    rows = jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0)  # [3, f, d]
+    values = jnp.swapaxes(rows.reshape(3, nb, block_size, d), 0, 1)
+    if gate_up_scale is None:
+        return BlockSlab(values)
+    gus = jnp.swapaxes(gate_up_scale[..., 0].reshape(2, nb, block_size), 0, 1).astype(jnp.float32)
+    return BlockSlab(values, gus, down_scale[:, 0][None].astype(jnp.float32))
+
+
+def channel_lines(d: int) -> int:
+    """L, the 128-wide lines a channel's row of d takes in `ChannelRows`: a multiple of 8."""
+    return -(-d // 1024) * 8
+
+
+def channel_layout(
+    gate_up: jax.Array, down: jax.Array, gate_up_scale: jax.Array | None = None, down_scale: jax.Array | None = None
+) -> ChannelRows:
+    """gate_up [2, f, d], down [d, f] (+ int8 scales) -> `ChannelRows` with values
+    [3, f, L, 128]. Run once per model (it copies the weights)."""
+    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    f, d = gate_up.shape[1], gate_up.shape[2]
+    lines = channel_lines(d)
+    rows = jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, lines * 128 - d))).reshape(3, f, lines, 128)
+    if gate_up_scale is None:
+        return ChannelRows(rows)
+    scale = jnp.pad(down_scale[:, 0].astype(jnp.float32), (0, lines * 128 - d), constant_values=1.0)
+    return ChannelRows(rows, gate_up_scale[..., 0].astype(jnp.float32), scale[None])
+
+
+def input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
+    """W [n, k] (+ int8 scale [n, 1]) -> `InputRows` [k, L, 128]. TEAL's two matmuls are
+    ``input_layout(gate_up.reshape(2f, d))`` (x's active inputs; outputs gate then up) and
+    ``input_layout(down)`` (H's active channels)."""
+    if w.ndim != 2:
+        raise ValueError(f"W of shape {tuple(w.shape)} is not a matrix [n, k]")
+    n, k = w.shape
+    if (jnp.dtype(w.dtype) == jnp.int8) != (scale is not None) or (scale is not None and tuple(scale.shape) != (n, 1)):
+        given = None if scale is None else tuple(scale.shape)
+        raise ValueError(f"W of dtype {w.dtype} with scale {given}: int8 W needs scale [{n}, 1], float W none")
+    lines = channel_lines(n)
+    values = jnp.pad(jnp.swapaxes(w, 0, 1), ((0, 0), (0, lines * 128 - n))).reshape(k, lines, 128)
+    if scale is None:
+        return InputRows(values)
+    return InputRows(values, jnp.pad(scale[:, 0].astype(jnp.float32), (0, lines * 128 - n), constant_values=1.0)[None])
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation by its config name, in the operations both Mosaic and Triton lower
+    (tanh-GELU written out: ``jax.nn.gelu``'s power op is not one of them everywhere)."""
+    check_activation(name)
+    if name == "silu":
+        return lambda g: g * jax.nn.sigmoid(g)
+    return lambda g: 0.5 * g * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
+
+
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"act={name!r} is not a kernel activation; use one of {list(ACTIVATIONS)}")
+
+
+def check_x(x: jax.Array, d: int) -> None:
+    """x must be [B, d] with 1 <= B <= MAX_BATCH, float32 or bfloat16."""
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not fit the weights; expected [B, {d}]")
+    if not 1 <= x.shape[0] <= MAX_BATCH:
+        raise ValueError(f"batch {x.shape[0]} is outside the kernels' range; use 1 to {MAX_BATCH} rows")
+    if jnp.dtype(x.dtype).name not in X_DTYPES:
+        raise ValueError(f"x of dtype {x.dtype} is not supported; use one of {list(X_DTYPES)}")
+
+
+def _selected(ids: jax.Array, count, size: int) -> tuple[jax.Array, jax.Array]:
+    """ids [n] -> (fetch ids [n], keep [n] int32) under the contract in the module docstring."""
+    n = ids.shape[0]
+    ids = ids.astype(jnp.int32)
+    count = jnp.asarray(n if count is None else count, jnp.int32)
+    valid = jnp.arange(n) < count
+    ok = valid & (ids >= 0) & (ids < size)
+    repeat = jnp.concatenate([jnp.zeros(1, bool), ok[1:] & ok[:-1] & (ids[1:] == ids[:-1])])
+    keep = ok & ~repeat
+    clamped = jnp.clip(ids, 0, size - 1)
+    last = clamped[jnp.clip(count - 1, 0, n - 1)]
+    return jnp.where(valid, clamped, last), keep.astype(jnp.int32)
+
+
+def select_blocks(
+    block_ids: jax.Array, n_blocks: int, batch: int, count: int | jax.Array | None = None, row_mask: jax.Array | None = None
+) -> Selection:
+    """block_ids [n] (+ count, + row_mask [B, n_blocks] bool: the blocks each row chose) ->
+    `Selection`. With a row mask, a row adds only its own blocks of the union ``block_ids``."""
+    if block_ids.ndim != 1 or block_ids.shape[0] < 1:
+        raise ValueError(f"block_ids of shape {tuple(block_ids.shape)} must be a non-empty vector [n]")
+    ids, keep = _selected(block_ids, count, n_blocks)
+    if row_mask is None:
+        return Selection(ids, keep, None)
+    if tuple(row_mask.shape) != (batch, n_blocks):
+        raise ValueError(f"row_mask of shape {tuple(row_mask.shape)} does not fit; expected [B, n_blocks] = [{batch}, {n_blocks}]")
+    mask = row_mask.astype(jnp.float32)[:, ids].T * keep[:, None]
+    return Selection(ids, keep, mask)
+
+
+def union_of_rows(row_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """row_mask [B, n] bool -> (ids [size] int32 sorted, count): the ids any row chose. ``size``
+    must be at least the union's size (min(n, B · per-row count) always is)."""
+    chosen = jnp.any(row_mask, axis=0)
+    (ids,) = jnp.nonzero(chosen, size=size, fill_value=0)
+    return ids.astype(jnp.int32), jnp.sum(chosen).astype(jnp.int32)
+
+
+def select_channels(ids: jax.Array, f: int, batch: int, count: int | jax.Array | None = None) -> Selection:
+    """Channel ids [m] (every row) or [B, m] (row r's own, counted by count [B] or a scalar) ->
+    `Selection`. Per-row ids are served as their union with a per-row mask, so a channel two
+    rows chose is read once."""
+    if ids.ndim == 1:
+        if ids.shape[0] < 1:
+            raise ValueError("ids must hold at least one position")
+        fetch, keep = _selected(ids, count, f)
+        return Selection(fetch, keep, None)
+    if ids.ndim != 2 or ids.shape[0] != batch:
+        raise ValueError(f"ids of shape {tuple(ids.shape)} do not fit; expected [m] or [B, m] with B = {batch}")
+    m = ids.shape[1]
+    counts = jnp.broadcast_to(jnp.asarray(m if count is None else count, jnp.int32), (batch,))
+    ok = (jnp.arange(m)[None] < counts[:, None]) & (ids >= 0) & (ids < f)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    chose = jnp.zeros((batch, f), bool).at[rows, jnp.clip(ids, 0, f - 1)].max(ok)
+    union, n_union = union_of_rows(chose, min(f, batch * m))
+    fetch, keep = _selected(union, n_union, f)
+    return Selection(fetch, keep, chose.astype(jnp.float32)[:, fetch].T * keep[:, None])
+
+
+# ------------------------------------------------------------------------------ bytes per call
+def _size(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def dense_ffn_bytes(d: int, f: int, batch: int, weight_dtype, x_dtype) -> int:
+    """Bytes a dense FFN must move: all 3·f·d weights (+ int8 scales), x in and y out."""
+    scales = (2 * f + d) * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    return 3 * f * d * _size(weight_dtype) + scales + 2 * batch * d * _size(x_dtype)
+
+
+def ideal_ffn_bytes(kept: int, d: int, batch: int, weight_dtype, x_dtype) -> int:
+    """Bytes of exactly ``kept`` channels' weights (+ their scales), x in and y out."""
+    scales = (2 * kept + d) * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    return 3 * kept * d * _size(weight_dtype) + scales + 2 * batch * d * _size(x_dtype)
+
+
+def block_ffn_bytes(blocks_read: int, positions: int, block_size: int, d: int, batch: int, weight_dtype, x_dtype, masked: bool) -> int:
+    """HBM bytes of the TPU block kernel: ``blocks_read`` slabs fetched (a block repeated at the
+    next position is not fetched again) over ``positions`` grid steps, their int8 scales, the
+    per-position row masks, the id and keep scalars, x once and y once."""
+    int8 = jnp.dtype(weight_dtype) == jnp.int8
+    per_block = 3 * block_size * d * _size(weight_dtype) + (2 * block_size * 4 if int8 else 0)
+    other = (d * 4 if int8 else 0) + (positions * batch * 4 if masked else 0) + 2 * positions * 4
+    return blocks_read * per_block + other + 2 * batch * d * _size(x_dtype)
+
+
+def gather_ffn_bytes(rows_read: int, positions: int, chunk: int, d: int, batch: int, weight_dtype, x_dtype) -> int:
+    """HBM bytes of the TPU channel kernel: ``rows_read`` channels' three rows of L·128 (one DMA
+    each), per-position masks and int8 scales over ``positions`` padded to the chunk, the
+    scalars, x in and y out (both L·128 wide)."""
+    int8 = jnp.dtype(weight_dtype) == jnp.int8
+    width = channel_lines(d) * 128
+    padded = -(-positions // chunk) * chunk
+    other = padded * batch * 4 + (padded * 2 * 4 + width * 4 if int8 else 0) + 2 * padded * 4
+    return rows_read * 3 * width * _size(weight_dtype) + other + 2 * batch * width * _size(x_dtype)
+
+
+def gather_matvec_bytes(rows_read: int, positions: int, chunk: int, n: int, batch: int, weight_dtype, x_dtype) -> int:
+    """HBM bytes of the TPU input-gather matvec: ``rows_read`` input rows of L·128 (one DMA
+    each), x's values at the positions (padded to the chunk), the scalars, int8 scales, y."""
+    width = channel_lines(n) * 128
+    padded = -(-positions // chunk) * chunk
+    scales = width * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    other = padded * batch * _size(x_dtype) + 2 * padded * 4 + scales + batch * width * _size(x_dtype)
+    return rows_read * width * _size(weight_dtype) + other
+
+
+def count_distinct_fetches(ids: np.ndarray) -> int:
+    """How many fetches a BlockSpec pipeline makes for fetch ids [n]: one per change of id."""
+    ids = np.asarray(ids)
+    return int(1 + np.count_nonzero(ids[1:] != ids[:-1])) if ids.size else 0

@@ -1,0 +1,127 @@
+"""Pallas TPU kernel for per-token input sparsity (TEAL, WINA, principal TEAL): y = W · x over
+only x's active inputs, reading only those inputs' columns of W, for x [B, k] (B 1–64).
+
+TEAL zeroes the inputs |x_i| ≤ t_x of gate/up and the channels |H_j| ≤ t_h of down, so its
+decode FFN is two calls of `gather_matvec` on input-major weights (`ffn_layout.InputRows`):
+
+    gu = gather_matvec(x, input_layout(gate_up.reshape(2f, d)), active_x, out_features=2f)
+    H  = act(gu[:, :f]) * gu[:, f:]
+    y  = gather_matvec(H, input_layout(down), active_h, out_features=d)
+
+as TEAL's own Triton kernel reads W's transpose. The rows are fetched with the same
+double-buffered per-row DMAs as `ffn_tpu.gather_ffn` (`ffn_tpu.fetch_rows`); a batch is served
+as the union of its rows' active inputs, a row adding only its own (its x there, else 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .ffn_layout import InputRows, channel_lines, check_x, gather_matvec_bytes, select_channels
+from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, vmem_buffer_bytes, vmem_limit
+
+
+def matvec_vmem_bytes(batch: int, chunk: int, n: int, weight_dtype, x_dtype) -> int:
+    """VMEM of `gather_matvec`: the two-slot row scratch, x's values per step, y, the f32
+    accumulator (rows, y and accumulator L·128 wide)."""
+    lines = channel_lines(n)
+    total = MOSAIC_OWN_VMEM + vmem_buffer_bytes((2, chunk, lines, 128), weight_dtype)
+    total += 2 * vmem_buffer_bytes((batch, chunk), x_dtype) + 2 * vmem_buffer_bytes((batch, lines * 128), x_dtype)
+    total += vmem_buffer_bytes((batch, lines * 128), jnp.float32)
+    if jnp.dtype(weight_dtype) == jnp.int8:
+        total += 2 * vmem_buffer_bytes((1, lines * 128), jnp.float32)
+    return total
+
+
+def _matvec_kernel(ids_ref, keep_ref, xs_ref, *refs, chunk, steps, scaled):
+    scale_ref = refs[0] if scaled else None
+    rows_hbm, o_ref, buf, sems, acc_ref = refs[1:] if scaled else refs
+    c = pl.program_id(0)
+
+    @pl.when(c == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    slot = fetch_rows(ids_ref, keep_ref, sems, chunk, steps, [(lambda i: rows_hbm.at[i], lambda s, r: buf.at[s, r])])
+    xs = xs_ref[...]
+    w = buf[slot].reshape(chunk, buf.shape[2] * buf.shape[3]).astype(xs.dtype)
+    acc_ref[...] += jnp.dot(xs, w, preferred_element_type=jnp.float32)
+
+    @pl.when(c == steps - 1)
+    def _():
+        y = acc_ref[...]
+        if scaled:
+            y = y * scale_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+def gather_matvec(
+    x: jax.Array,
+    rows: InputRows,
+    ids: jax.Array,
+    *,
+    out_features: int,
+    count: int | jax.Array | None = None,
+    chunk: int = 64,
+    interpret: bool | pltpu.InterpretParams = False,
+    chip: str = "v5e",
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """y [B, n] = W · x over the inputs ``ids`` of x [B, k] (W as `InputRows` [k, L, 128],
+    n = ``out_features``): ids [m] for every row (ids[:count] active, `ffn_layout`'s contract)
+    or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing."""
+    k, lines, lanes = rows.values.shape
+    if lanes != 128 or lines != channel_lines(out_features):
+        raise ValueError(
+            f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; "
+            f"expected [k, {channel_lines(out_features)}, 128] (ffn_layout.input_layout)"
+        )
+    check_x(x, k)
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be a positive number of inputs per step")
+    batch, width = x.shape[0], lines * 128
+    sel = select_channels(ids, k, batch, count)
+    n = sel.ids.shape[0]
+    steps = -(-n // chunk)
+    pad = steps * chunk - n
+    mask = sel.keep[:, None].astype(x.dtype) if sel.mask is None else sel.mask.astype(x.dtype)
+    xs = x[:, sel.ids].T * mask  # [n, B]: each position's input value, 0 where not chosen
+    xs = jnp.pad(xs, ((0, pad), (0, 0))).reshape(steps, chunk, batch).transpose(0, 2, 1)
+    est = matvec_vmem_bytes(batch, chunk, out_features, rows.values.dtype, x.dtype)
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_matvec (B={batch}, chunk={chunk}, n={out_features}, {rows.values.dtype})")
+
+    scaled = rows.scale is not None
+    in_specs = [pl.BlockSpec((None, batch, chunk), lambda i, ids, keep: (i, 0, 0))]
+    args = [xs]
+    if scaled:
+        in_specs.append(pl.BlockSpec((1, width), lambda i, ids, keep: (0, 0)))
+        args.append(rows.scale)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    args.append(rows.values)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(steps,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((batch, width), lambda i, ids, keep: (0, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((2, chunk, lines, 128), rows.values.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((batch, width), jnp.float32),
+        ],
+    )
+    traffic = gather_matvec_bytes(n, n, chunk, out_features, batch, rows.values.dtype, x.dtype)
+    y = pl.pallas_call(
+        functools.partial(_matvec_kernel, chunk=chunk, steps=steps, scaled=scaled),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, width), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
+        cost_estimate=pl.CostEstimate(flops=2 * batch * width * n, transcendentals=0, bytes_accessed=traffic),
+        interpret=interpret,
+        name="gather_matvec",
+    )(jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad)), *args)
+    return y[:, :out_features]

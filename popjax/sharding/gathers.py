@@ -1,0 +1,80 @@
+"""Channel gathers that stay local to a mesh's channel shards: compact copies of FFN channels
+that lie anywhere in f (static, global POP), split over ``model`` like the weight they come from
+(local gathers and one reduce-scatter; never a gathered weight)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ..kernels.int8 import Int8Weight
+from .mesh import active_mesh_axes
+from .rules import RULES
+
+# An id no device owns: gathers of it give zero rows (padding of split compact copies).
+UNOWNED = -(2**30)
+
+
+def split_channels() -> int:
+    """How many ways a compact copy is split along its channel axis: the active mesh's ``mlp``
+    axis size (FFN channels over ``model``), 1 without a mesh."""
+    return active_mesh_axes().get(RULES["mlp"], 1)
+
+
+def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """``jnp.take(w, ids, axis)`` whose result is split over the ``mlp`` mesh axis along ``axis``,
+    as ``w`` is, without ever gathering ``w``: each device takes the ids that fall in its own
+    block of ``w`` (zeros for the others), and one reduce-scatter sums those partial copies, so
+    each device keeps 1/n of the result. What static and global-partition POP copy at prefill:
+    their kept channels lie anywhere in f, and XLA cannot keep a gather with prompt-dependent
+    ids local to the channel shards (it replicates ``w``; docs/scale_out.md).
+
+    w [..., F, ...] split in contiguous blocks along ``axis``; ids [k] (k a multiple of n; ids
+    ``UNOWNED`` give zero rows) -> [..., k, ...]. Without a mesh (or n = 1): ``jnp.take``."""
+    n = split_channels()
+    if isinstance(w, Int8Weight):  # the int8 rows and, where it varies along ``axis``, their scales
+        return w.along(axis, lambda a, ax: take_split(a, ids, ax))
+    if n == 1:
+        return jnp.take(w, ids, axis=axis, mode="clip")
+    if w.shape[axis] % n or ids.shape[-1] % n:
+        raise ValueError(f"take_split: axis {axis} of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
+    block = w.shape[axis] // n
+    spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
+
+    def local(w_block, ids):
+        position = ids - jax.lax.axis_index(RULES["mlp"]) * block
+        mine = (position >= 0) & (position < block)
+        rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
+        rows = jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w.ndim) if i != axis)), rows, 0)
+        return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=axis, tiled=True)
+
+    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec)(w, ids)
+
+
+def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of ``w`` [P, F, ...] read as its [P·F, ...] matrix, ids ``p·F + c`` [k] (k a multiple
+    of n; negative ids give zero rows) -> [k, ...] split over the ``mlp`` mesh axis along rows,
+    with ``w`` split along F: `take_split` for a block mixing parts, e.g. the gate rows of one
+    channel set with the up rows of another out of ``gate_up`` [2, f, d] (gate-scored POP).
+    Without a mesh: a gather from the free [P·F, ...] reshape. On a mesh: `take_split` of every
+    part of the ids' channels (P× the rows, at prefill), then each row's part, elementwise."""
+    P, F = w.shape[:2]
+    if isinstance(w, Int8Weight):  # a scale per row: gathered like its row
+        # ``like`` keeps how the weight reads its activations (int8 or float) and its compute dtype
+        return w.like(take_split_rows(w.values, ids), take_split_rows(w.scale, ids))
+    if split_channels() == 1:
+        return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="clip")
+    part = jnp.clip(ids // F, 0, P - 1)
+    every_part = take_split(w, jnp.where(ids >= 0, ids - part * F, UNOWNED), axis=1)  # [P, k, ...]
+    part = part.reshape(-1, *[1] * (w.ndim - 2))
+    rows = every_part[0]
+    for p in range(1, P):
+        rows = jnp.where(part == p, every_part[p], rows)
+    return rows
+
+
+def pad_ids(ids: jax.Array) -> jax.Array:
+    """ids [k] -> [k'] padded with ``UNOWNED`` to a multiple of `split_channels` (k' = k without a mesh)."""
+    pad = -ids.shape[-1] % split_channels()
+    return jnp.pad(ids, (0, pad), constant_values=UNOWNED) if pad else ids

@@ -1,0 +1,171 @@
+"""POP's ``kernel`` hyper-parameter (docs/kernels.md, "POP's wiring"): the Pallas decode path
+(interpret mode on this CPU) equals XLA's in greedy tokens and log-probabilities, the platform
+choice in `popjax.kernels.choose`, the byte accounting of the kernel, and the bad inputs.
+
+The kernel path copies C's down rows at prefill as `ffn_layout.InputRows` and adds the m
+selected ones per step through `popjax.kernels.decode_ffn.gather_matvec`; everything else of
+the step is XLA's in both paths, so the two differ only by the f32 accumulation order of that
+term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import popjax
+from popjax import kernels
+from popjax.eval.teacher import teacher_forced
+from popjax.generation import generate_ids
+from popjax.kernels.ffn_layout import InputRows, channel_lines
+from popjax.methods import MethodError
+from popjax.methods.pop import POPPlan
+from popjax.kernels.int8 import Int8Weight, quantize
+from popjax.models.interface import FFNWeights
+from tests.conftest import random_prompts
+
+LOGPROB_ATOL = 1e-5
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_checkpoints):
+    """The tiny Gemma 3 (GeGLU FFN, sliding-window layers), loaded once for this file."""
+    directory, _ = tiny_checkpoints("gemma3-window")
+    return popjax.load(directory, cache=False)
+
+
+def _prompts(model, batch: int, seed: int = 0) -> list[list[int]]:
+    return random_prompts(np.random.default_rng(seed), (9, 6)[:batch], model.config.vocab_size)
+
+
+def _logprobs(model, method, prompts, targets) -> np.ndarray:
+    return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
+
+
+# (family, batch, aggregate); the other combinations run with -m slow
+CASES = [("llama", 1, "per_sequence"), ("llama", 2, "shared"), ("gemma3", 2, "per_sequence")]
+SLOW_CASES = [("gemma3", 1, "per_sequence"), ("llama", 2, "per_sequence"), ("gemma3", 2, "shared")]
+
+
+@pytest.mark.parametrize(
+    "family, batch, aggregate", CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES]
+)
+def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate):
+    """Log-probs within 1e-5 and the same greedy tokens: XLA's greedy continuation, fed to both
+    paths, is the argmax of the Pallas path's log-probs at every step (so greedy decoding
+    through the kernel makes the same tokens, one compile fewer than a second generate)."""
+    model = tiny_model if family == "llama" else request.getfixturevalue("gemma")
+    prompts = _prompts(model, batch)
+    xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, kernel="xla")
+    pallas = dataclasses.replace(xla, kernel="pallas")
+    assert pallas.bind(model.config).kernel == "pallas-interpret"
+    greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
+    assert greedy.shape == (batch, NEW_TOKENS)
+    got, want = _logprobs(model, pallas, prompts, greedy), _logprobs(model, xla, prompts, greedy)
+    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    np.testing.assert_array_equal(got.argmax(-1), greedy)
+
+
+def _ffn_weights(int8: bool, f: int = 48, d: int = 40, seed: int = 0) -> FFNWeights:
+    rng = np.random.default_rng(seed)
+    gate_up, down = rng.normal(size=(2, f, d)).astype(np.float32), rng.normal(size=(d, f)).astype(np.float32)
+    if int8:  # popjax's format: per-output-channel scales, weight-only dots
+        gate_up, down = Int8Weight(*map(jnp.asarray, quantize(gate_up))), Int8Weight(*map(jnp.asarray, quantize(down)))
+    norms = jnp.linalg.norm(down.dequantize() if int8 else down, axis=0)
+    return FFNWeights(gate_up=gate_up if int8 else jnp.asarray(gate_up), down=down if int8 else jnp.asarray(down), down_norm=norms)
+
+
+@pytest.mark.parametrize("int8, aggregate", [(False, "per_sequence"), (True, "shared")])
+def test_plan_step_through_the_kernel(int8, aggregate):
+    """One layer's plan, float and int8 weights: the kernel path keeps C's down rows as
+    `InputRows` [n_C, L, 128] and its decode step equals XLA's (outputs and selections)."""
+    w = _ffn_weights(int8)
+    rng = np.random.default_rng(1)
+    x, x_t = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.float32), jnp.asarray(rng.normal(size=(2, 1, 40)), jnp.float32)
+    valid, valid_t = jnp.ones((2, 5), bool), jnp.ones((2, 1), bool)
+    xla = POPPlan(f=48, n_keep=30, aggregate=aggregate, m=6)
+    pallas = dataclasses.replace(xla, kernel="pallas-interpret")
+    outs = []
+    for plan in (xla, pallas):
+        y, state, _ = plan.prefill(w, x, valid)
+        y_t, _, aux = plan.decode(w, state, x_t, jnp.int32(0), valid_t)
+        outs.append((y, state, y_t, aux))
+    rows = outs[1][1]["down_candidates"]
+    assert isinstance(rows, InputRows) and rows.values.shape[-3:] == (12, channel_lines(40), 128)
+    assert (rows.scale is not None) == int8
+    np.testing.assert_array_equal(outs[1][0], outs[0][0])  # prefill does not use the kernel
+    np.testing.assert_allclose(outs[1][2], outs[0][2], atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(outs[1][3]["selected"], outs[0][3]["selected"])
+
+
+def test_auto_is_xla_on_cpu(tiny_model):
+    assert kernels.choose("auto") == "xla"
+    assert popjax.POP(ratio=0.4).kernel == "auto"
+    assert popjax.POP(ratio=0.4).bind(tiny_model.config).kernel == "xla"
+    assert popjax.POP(ratio=0.4, kernel="xla").bind(tiny_model.config).kernel == "xla"
+
+
+@pytest.mark.parametrize(
+    "kernel, backend, resolved",
+    [("auto", "tpu", "pallas-tpu"), ("auto", "gpu", "pallas-gpu"), ("auto", "cpu", "xla"),
+     ("pallas", "cpu", "pallas-interpret"), ("pallas", "tpu", "pallas-tpu"), ("xla", "gpu", "xla")],
+)
+def test_choose(kernel, backend, resolved):
+    assert kernels.choose(kernel, backend) == resolved
+
+
+def test_auto_is_xla_where_no_kernel_is_wired():
+    """weights="gather" and partition="per_shard" have no kernel wiring: "auto" is XLA there."""
+    assert popjax.POP(ratio=0.4, weights="gather").resolved_kernel() == "xla"
+    assert popjax.POP(ratio=0.4, partition="per_shard", shards=2).resolved_kernel() == "xla"
+
+
+def test_mesh_is_xla():
+    """On a mesh the kernels do not run per shard yet: "auto" prepares to XLA, "pallas" is refused."""
+    sharded = SimpleNamespace(mesh=object())  # what POP.prepare reads of a sharded model
+    assert popjax.POP(ratio=0.4).prepare(sharded).kernel == "xla"
+    with pytest.raises(MethodError, match="kernel='pallas' does not run on a mesh yet"):
+        popjax.POP(ratio=0.4, kernel="pallas").prepare(sharded)
+    assert popjax.POP(ratio=0.4, kernel="pallas").prepare(SimpleNamespace(mesh=None)).kernel == "pallas"
+
+
+def test_bytes_say_what_the_kernel_reads(tiny_model):
+    """The interpret/TPU kernel reads a selected down row whole (L·128 ≥ d); XLA reads d."""
+    cfg, d = tiny_model.config, tiny_model.config.hidden_size
+    xla = popjax.POP(ratio=0.4, gamma=0.2, kernel="xla").bind(cfg)
+    pallas = popjax.POP(ratio=0.4, gamma=0.2, kernel="pallas").bind(cfg)
+    assert xla.m > 0
+    extra = (channel_lines(d) * 128 - d) * xla.m
+    assert pallas.ffn_weights_read(d) - xla.ffn_weights_read(d) == extra
+    gpu = dataclasses.replace(pallas, kernel="pallas-gpu")
+    assert gpu.ffn_weights_read(d) == xla.ffn_weights_read(d)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kernel="cuda"), "kernel='cuda' is not one of ('auto', 'xla', 'pallas')"),
+        (dict(kernel="pallas", weights="gather"), "kernel='pallas' is wired for weights='compact', partition='global' only"),
+        (dict(kernel="pallas", partition="per_shard", shards=2), "kernel='pallas' is wired for weights='compact', partition='global' only"),
+    ],
+)
+def test_bad_kernel_is_one_line(kwargs, message):
+    with pytest.raises(MethodError) as err:
+        popjax.POP(ratio=0.4, **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plan_refuses_a_kernel_for_a_scorer_without_one(tiny_model):
+    """The other presets' scorers select candidates without the kernel: their plan refuses one."""
+    plan = popjax.GateScoredPOP(ratio=0.4).bind(tiny_model.config)
+    with pytest.raises(MethodError, match="wired for POP's exact scorer"):
+        dataclasses.replace(plan, kernel="pallas-interpret")
+    with pytest.raises(MethodError, match="kernel='triton' is not one of"):
+        dataclasses.replace(popjax.POP(ratio=0.4).bind(tiny_model.config), kernel="triton")
+    with pytest.raises(ValueError, match="kernel='cuda' is not one of"):
+        kernels.choose("cuda")

@@ -1,0 +1,221 @@
+"""TPU as a compile target (popjax.analysis.tpu_compile, `popjax compile`): the engine's programs
+compile with the real TPU compiler (libtpu, no TPU) on meshes of TPU topologies, for every
+registry method and every model family; memory and cost come from XLA:TPU; bad input fails in
+one line. JAX stays on its CPU backend throughout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+
+from popjax.analysis import topologies
+from popjax.analysis.topologies import CHIPS, GiB, LibTPUMissing, resolve_topology
+from popjax.analysis.tpu_compile import check_fit, resolve_model, tpu_compile
+from popjax.analysis.tpu_report import format_report
+from popjax.methods import METHODS
+from popjax.models.config import ModelConfig
+from popjax.sharding import abstract_params, make_mesh
+from tests.conftest import tiny_program_env
+from tests.gguf_files import write_metadata_only
+
+pytest.importorskip("libtpu")
+
+# 2 layers, d=64; 4 heads, 4 KV heads, f and vocab divisible by 4: every axis splits over model=4
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+FAMILIES = {
+    "llama": dict(model_type="llama", rope_theta=10000.0),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "qwen2_vl": dict(model_type="qwen2_vl", vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2),
+                     text_config=dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [2, 3, 3]}),
+                     image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253),
+}
+CORE = ("pop", "static", "teal")  # online, offline-selection and calibrated-data methods (dense: the baseline)
+SHAPES = dict(batch=1, context=64, decode_loop=False)  # prompt bucket 32, 32 new tokens
+
+
+def config(family: str = "llama", **overrides) -> ModelConfig:
+    return ModelConfig.from_hf_dict(dict(BASE, **FAMILIES[family], **overrides))
+
+
+def _weights_per_device(cfg: ModelConfig, model: int, itemsize: int = 2) -> float:
+    """The model's weights at ``itemsize`` bytes each, split ``model`` ways."""
+    shapes = jax.tree_util.tree_leaves(abstract_params(cfg, make_mesh((1, 1)), "bfloat16"))
+    return sum(math.prod(leaf.shape) for leaf in shapes) * itemsize / model
+
+
+def _check_record(record: dict, report: dict) -> None:
+    """What every compiled method reports: memory from XLA:TPU that fits, positive step cost,
+    the estimate = batch / (bytes / bandwidth), and the weights it holds as arguments."""
+    bandwidth = report["topology"]["hbm_bandwidth_per_device"]
+    for name, program in record["programs"].items():
+        assert program["argument"] > 0 and program["generated_code"] > 0 and program["fits"], (record["method"], name)
+        assert program["peak"] >= program["argument"] - program["alias"], (record["method"], name)
+    assert record["programs"]["decode_step"]["argument"] >= record["arguments"]["weights"]
+    step = record["decode_step"]
+    assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["ideal_bytes_per_device"] > 0
+    assert step["estimated_tokens_per_s"] == pytest.approx(report["batch"] * bandwidth / step["bytes_accessed"])
+    # XLA:TPU's own optimal_seconds: positive on these tiny programs (None where it is not: the 8B's)
+    assert step["optimal_seconds"] > 0
+    assert step["xla_estimated_tokens_per_s"] == pytest.approx(report["batch"] / step["optimal_seconds"])
+
+
+def test_core_methods_compile_for_a_v5e_slice():
+    cfg = config()
+    report = tpu_compile(cfg, "v5e:2x2", CORE, [0.4], mesh=(1, 4), **SHAPES)
+    assert report["jax_backend"] == "cpu"  # compiling for TPU left JAX on its CPU backend
+    assert report["topology"] == {"name": "v5e:2x2", "chip": "v5e", "chips": 4, "devices": 4, "processes": 1,
+                                  "hbm_per_device": 16 * GiB, "hbm_bandwidth_per_device": 819e9}
+    records = {r["name"]: r for r in report["records"]}
+    assert list(records) == ["dense", *CORE] and set(records["dense"]["programs"]) == {"prefill", "decode_step"}
+    for record in records.values():
+        _check_record(record, report)
+    dense = records["dense"]
+    # the weights split over model=4: a quarter of every split matrix per device (norms replicated)
+    assert _weights_per_device(cfg, 4) <= dense["arguments"]["weights"] < 1.1 * _weights_per_device(cfg, 4)
+    # static reads fewer weights per step than dense in the TPU program too, and no method
+    # state beyond its compact copy; its ideal bytes follow the ratio
+    assert records["static"]["decode_step"]["bytes_accessed"] < dense["decode_step"]["bytes_accessed"]
+    for name in CORE:
+        assert records[name]["vs_dense"]["ideal_bytes"] < 1.0, name
+    assert records["dense"]["vs_dense"]["estimated_speedup"] == 1.0
+    assert records["pop"]["arguments"]["method_state"] > 0  # POP's partition state travels with the carry
+    table = format_report(report)
+    assert "est tok/s" in table and "estimate" in table and "teal" in table
+
+
+@pytest.mark.slow  # every registry method: ~2 TPU compiles each (about 1-2 min on 2 cores)
+def test_every_registry_method_compiles_its_decode_step():
+    specs = sorted(set(METHODS) - {"dense", "prefill-only", *CORE}) + ["prefill-only+pop:skip=1",
+                                                                          "prefill-only:kv=calibrated:skip=1"]
+    report = tpu_compile(config(), "v5e:2x2", specs, [0.3], mesh=(1, 4), with_dense=False, **SHAPES)
+    names = {r["name"] for r in report["records"]}
+    assert names | {"dense", *CORE} >= set(METHODS), sorted(set(METHODS) - names - {"dense", *CORE})
+    for record in report["records"]:
+        _check_record(record, report)
+
+
+@pytest.mark.parametrize("family, weights, mesh, scan", [
+    ("llama", "int8", (1, 4), False),
+    pytest.param("qwen3", "float", (1, 4), True, marks=pytest.mark.slow),  # 6 compiles: the scan and 1-/2-layer steps
+    ("qwen3_moe", "float", (1, 4), False),
+    ("gemma3", "float", (2, 2), False),
+    ("qwen2_vl", "float", (1, 4), False),
+])
+def test_every_family_compiles(family, weights, mesh, scan):
+    """POP on each family (its text programs), int8 weights, the scanned model and a (2, 2) mesh
+    (batch 2 over data=2) once each."""
+    batch = 2 if mesh[0] == 2 else 1
+    report = tpu_compile(config(family), "v5e:2x2", ["pop"], [0.3], mesh=mesh, weights=weights, scan_layers=scan,
+                         with_dense=False, **dict(SHAPES, batch=batch))
+    (record,) = report["records"]
+    assert record["name"] == "pop" and report["mesh"] == {"data": mesh[0], "model": mesh[1]}
+    _check_record(record, report)
+    if weights == "int8":  # one byte per linear weight (norms and scales on top), against bf16's two
+        assert record["arguments"]["weights"] < 0.6 * _weights_per_device(config(family), mesh[1])
+    if scan:  # XLA counts the layer loop's body once: the step cost is the 1- and 2-layer extrapolation
+        step = record["decode_step"]
+        assert step["scan_body_bytes_accessed"] < step["bytes_accessed"]
+
+
+def test_v5p_and_v4_slices_resolve_with_their_chips():
+    v5p, v4 = resolve_topology("v5p:2x2x1"), resolve_topology("v4:2x2x1")
+    assert (v5p.chip, v5p.chips, len(v5p.devices)) == (CHIPS["v5p"], 4, 4)  # one megacore device per chip
+    assert (v4.chip, v4.chips, len(v4.devices)) == (CHIPS["v4"], 4, 8)  # v4: each TensorCore a device
+    assert v4.hbm_per_device == 16 * GiB and v4.bandwidth_per_device == 600e9
+    assert resolve_topology("v5e:1x1").chips == 1 and resolve_topology("v5e:4x4").processes == 4
+
+
+def test_models_resolve_from_a_name_a_config_or_a_directory(tmp_path):
+    assert resolve_model("llama-3.1-8b").num_hidden_layers == 32
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, **FAMILIES["qwen3"])))
+    assert resolve_model(str(tmp_path)) == resolve_model(str(tmp_path / "config.json")) == config("qwen3")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"model directory .* holds no config\.json"):
+        resolve_model(str(tmp_path / "empty"))
+    # a GGUF's metadata, written by the test helper from the fields of a HF Gemma3TextConfig
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    gemma = types.SimpleNamespace(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                                  rms_norm_eps=1e-6, final_logit_softcapping=None, sliding_window=8,
+                                  rope_parameters={"full_attention": rope, "sliding_attention": rope})
+    cfg = resolve_model(str(write_metadata_only(gemma, tmp_path / "tiny.gguf")))
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("gemma3_text", 32, 2)
+
+
+def test_bad_input_fails_in_one_line(monkeypatch):
+    for name in ("v9z:2x2", "v5e:3x3"):  # unknown to libtpu: the error lists valid forms
+        with pytest.raises(ValueError, match=rf"topology '{name}' is not one libtpu resolves.*valid forms: .*v5e:2x4"):
+            resolve_topology(name)
+    with pytest.raises(ValueError, match=r"topology 'tpu-v5e' is not GENERATION:SHAPE; valid forms: .*v5p:2x2x1"):
+        resolve_topology("tpu-v5e")
+    with pytest.raises(ValueError, match=r"mesh 2x4 \(8 devices\) does not cover topology v5e:2x2 \(4 devices\); "
+                                         r"valid meshes: 1x4, 2x2, 4x1"):
+        tpu_compile(config(), "v5e:2x2", [], mesh=(2, 4), **SHAPES)
+    with pytest.raises(ValueError, match=r"weights='int4' must be 'float' or 'int8'"):
+        tpu_compile(config(), "v5e:2x2", [], weights="int4", **SHAPES)
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # as if not installed: the error names the extra
+    with pytest.raises(LibTPUMissing, match=r'pip install -e "\.\[tpu\]"'):
+        resolve_topology("v5e:2x2")
+
+
+def test_a_program_that_does_not_fit_is_reported_and_refused_on_request():
+    # 2^27 × 64 bf16 embedding rows (tied head): 16 GiB of weights alone on one v5e chip; XLA:TPU
+    # refuses to compile it, and the report says so (the table, check_fit / --require-fit)
+    huge = config(vocab_size=2**27, tie_word_embeddings=True)
+    report = tpu_compile(huge, "v5e:1x1", [], **SHAPES)
+    (record,) = report["records"]
+    assert not record["fits"] and record["programs"] == {} and "Ran out of memory" in record["error"]
+    assert "does NOT fit: RESOURCE_EXHAUSTED" in format_report(report)
+    with pytest.raises(ValueError, match=r"dense: does not fit a v5e device \(topology v5e:1x1, mesh 1x1\): XLA:TPU: "
+                                         r"RESOURCE_EXHAUSTED: Ran out of memory"):
+        check_fit(report)
+
+
+@pytest.mark.slow  # a CLI process and two worker processes (each imports popjax and JAX)
+def test_cli_compiles_and_writes_json_and_plot(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(BASE, **FAMILIES["llama"])))
+    out, plot = tmp_path / "out.json", tmp_path / "out.png"
+    env = {k: v for k, v in tiny_program_env().items() if not k.startswith("TPU_") and k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    env.pop("JAX_PLATFORMS")  # JAX picks its backend itself: libtpu installed, no TPU -> the CPU, quietly
+    cmd = [sys.executable, "-m", "popjax.cli", "compile", "--topology", "v5e:2x2", "--model", str(path), "--method",
+           "dense,static", "--ratio", "0.2,0.4", "--mesh", "1x4", "--context", "64", "--no-decode-loop", "--jobs", "2",
+           "--json", str(out), "--plot", str(plot)]  # two worker processes: --jobs
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["name"], r["ratio"]) for r in report["records"]] == [("dense", 0.0), ("static", 0.2), ("static", 0.4)]
+    assert report["jax_backend"] == "cpu" and report["command"].startswith("popjax compile --topology v5e:2x2")
+    assert plot.stat().st_size > 10_000 and "est tok/s" in result.stdout
+    assert "TPU_ACCELERATOR_TYPE" not in result.stderr and "TPU_WORKER_HOSTNAMES" not in result.stderr  # start-up is quiet
+    bad = subprocess.run(cmd[:8] + ["--mesh", "3x3"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "popjax: error: mesh 3x3 (9 devices) does not cover topology v5e:2x2 (4 devices); valid meshes: 1x4, 2x2, 4x1"]
+
+
+def test_prepare_libtpu_env_keeps_what_the_user_set(monkeypatch):
+    from popjax import libtpu_env
+
+    monkeypatch.setattr(libtpu_env, "_tpu_attached", lambda: False)
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    libtpu_env.prepare_libtpu_env()
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8" and os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"
+    monkeypatch.setattr(libtpu_env, "_tpu_attached", lambda: True)  # a TPU VM: its runtime's own values stand
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    libtpu_env.prepare_libtpu_env()
+    assert "TPU_WORKER_HOSTNAMES" not in os.environ

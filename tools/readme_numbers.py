@@ -1,0 +1,120 @@
+"""The README's and the docs' headline speed tables, generated from the results/ JSON that the
+benchmark commands write, so a number in the text is always the one in its result file.
+
+    python tools/readme_numbers.py            # rewrite the generated blocks in place
+    python tools/readme_numbers.py --check    # exit 1 (and show the diff) if a block is stale
+
+A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``
+in a markdown file; ``BLOCKS`` says which file holds which block and how it is rendered.
+tests/test_readme_numbers.py runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = "results/int8/bench_cpu.json"
+BENCH_COMMAND = ("popjax bench --weights float,int8 --methods static,pop --ratios 0.4 --batches 1,8 --repeats 3 "
+                 "--json results/int8/bench_cpu.json")
+
+
+def _load(path: str) -> dict:
+    return json.loads((ROOT / path).read_text())
+
+
+def _rate(records: list[dict], method: str, weights: str, batch: int) -> float | None:
+    for r in records:
+        if r["method"] == method and r.get("weights", "float") == weights and r["batch"] == batch:
+            return float(r["decode_tokens_per_s"])
+    return None
+
+
+def speed_table(bench: dict) -> str:
+    """Decode tokens/s per method, weight format and batch, and each against dense fp32 and
+    against dense in its own format; the transformers peers of the same run below."""
+    records = bench["records"]
+    batches = sorted({r["batch"] for r in records})
+    formats = [w for w in ("float", "int8") if any(r.get("weights", "float") == w for r in records)]
+    rows = []
+    seen = []
+    for r in records:
+        key = (r["method"], r.get("ratio", 0.0), r.get("weights", "float"))
+        if key not in seen:
+            seen.append(key)
+    head = "| method | weights | " + " | ".join(f"tok/s @ batch {b} (× dense same weights)" for b in batches) + " |"
+    rows.append(head)
+    rows.append("|" + "---|" * (2 + len(batches)))
+    for method, ratio, weights in seen:
+        name = method if method == "dense" else f"{method} {ratio:.0%}"
+        cells = []
+        for b in batches:
+            rate, dense = _rate(records, method, weights, b), _rate(records, "dense", weights, b)
+            cells.append("—" if rate is None else f"{rate:.1f} ({rate / dense:.2f}×)" if dense else f"{rate:.1f}")
+        rows.append(f"| {name} | {'fp32' if weights == 'float' else weights} | " + " | ".join(cells) + " |")
+    peers = {"transformers": bench.get("transformers")}
+    peers.update((bench.get("peers") or {}))
+    for label, peer in peers.items():
+        if not peer or "by_batch" not in peer:
+            continue
+        cells = [f"{peer['by_batch'][str(b)]['decode_tokens_per_s']:.1f}" if str(b) in peer["by_batch"] else "—" for b in batches]
+        rows.append(f"| {peer.get('engine', label)} (peer) | — | " + " | ".join(cells) + " |")
+    machine = f"{bench['bandwidth_gb_s']:.1f} GB/s measured GEMV bandwidth"
+    note = (f"SmolLM2-135M-Instruct, {bench['max_new_tokens']} new tokens, best of {bench['repeats']}, one run on a "
+            f"2-core CPU ({machine}); formats: {', '.join(formats)}. From `{BENCH}`, made by `{BENCH_COMMAND}`.")
+    return "\n".join(rows) + "\n\n" + note
+
+
+# block name -> (file, renderer of its body)
+BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
+    "readme-speed": ("README.md", lambda: speed_table(_load(BENCH))),
+    "performance-speed": ("docs/performance.md", lambda: speed_table(_load(BENCH))),
+}
+
+
+def render(text: str, name: str, body: str) -> str:
+    """``text`` with block ``name``'s body replaced; ValueError if the file has no such block."""
+    start, end = f"<!-- generated: {name} -->", f"<!-- end generated: {name} -->"
+    pattern = re.compile(rf"{re.escape(start)}\n.*?{re.escape(end)}", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block {name!r} ({start} ... {end})")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text, count=1)
+
+
+def stale_blocks() -> list[tuple[str, str, str]]:
+    """(block name, current text, generated text) of every block whose text differs."""
+    out = []
+    for name, (path, make) in BLOCKS.items():
+        text = (ROOT / path).read_text()
+        want = render(text, name, make())
+        if want != text:
+            out.append((name, text, want))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated block differs from its results")
+    args = parser.parse_args(argv)
+    stale = stale_blocks()
+    if args.check:
+        for name, text, want in stale:
+            path = BLOCKS[name][0]
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), want.splitlines(True), path, f"{path} (generated)"))
+        if stale:
+            print(f"stale generated blocks: {[name for name, _, _ in stale]}; run python tools/readme_numbers.py")
+        return 1 if stale else 0
+    for name, _, want in stale:
+        (ROOT / BLOCKS[name][0]).write_text(want)
+        print(f"updated {name} in {BLOCKS[name][0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
