@@ -117,7 +117,7 @@ def test_eval_command_writes_records_table_and_plots(tmp_path, capsys, short_def
     assert by[("pop", "nll")]["ratio"] == 0.2 and len(by[("pop", "nll")]["nll_by_position"]) == 16
     assert 0 < by[("pop", "nll")]["ffn_flops_overhead_vs_static"] < 0.04
     assert (out / "report.md").is_file() and (out / "nll_by_position.png").stat().st_size > 1000
-    assert "| pop(aggregate=per_sequence) | 0.20 |" in capsys.readouterr().out
+    assert "| pop | 0.20 |" in capsys.readouterr().out  # per-sequence: the default, so no label suffix
 
 
 def test_eval_rejects_unknown_task_and_method():

@@ -507,11 +507,22 @@ def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
         out["methods"][name] = {"(2, 4)": {"max_abs_logprob_diff": float(np.abs(got - want).max()),
                                            "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}}
     # per-step row copies of an int8-activation model keep its activation format on a mesh too
-    from tests.test_int8 import int8_state_formats
+    # (tests/test_int8.py checks one device; this worker runs as a script, without the tests package)
+    import jax
+    import jax.numpy as jnp
+
+    from popjax import engine
+    from popjax.kernels.int8 import Int8Weight
+    from popjax.methods import make_method
 
     fast = build_model(dataclasses.replace(cfg8, activations="int8"), tree, None, "tiny-int8", "float32", sharding.make_mesh((2, 4)))
-    with sharding.use_mesh(fast):
-        out["step_row_formats"] = {name: int8_state_formats(fast, name) for name in ("pop-gate", "pop-shortlist")}
+    out["step_row_formats"] = {}
+    for name in ("pop-gate", "pop-shortlist"):
+        with sharding.use_mesh(fast):
+            _, _, states, _ = engine.prefill(fast.graphdef, fast.params, jnp.asarray(tokens), jnp.asarray(mask),
+                                             make_method(name).bind(fast.config))
+        leaves = jax.tree_util.tree_leaves(states, is_leaf=lambda a: isinstance(a, Int8Weight))
+        out["step_row_formats"][name] = sorted({a.activations for a in leaves if isinstance(a, Int8Weight)})
     return out
 
 

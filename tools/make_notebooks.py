@@ -55,7 +55,7 @@ text = load_play("hamlet")  # a development play; the report's held-out play is 
 prompt = tok(text[20000:24000], add_special_tokens=False)["input_ids"][: 64 if SMALL else 256]
 steps = 8 if SMALL else 64
 ratio = 0.2
-dyn = popjax.generate_ids(params, [prompt], max_new_tokens=steps, method=popjax.Dynamic(ratio=ratio), ignore_eos=True, return_trace=True)[1]
+dyn = popjax.generate_ids(params, [prompt], max_new_tokens=steps, method=popjax.Dynamic(ratio=ratio, aggregate="shared"), ignore_eos=True, return_trace=True)[1]
 prefill_importance = dyn["prefill"]["importance"]  # [L, f]
 step_scores = dyn["decode"]["scores"]            # [steps - 1, L, f]
 L, f = prefill_importance.shape
@@ -80,7 +80,7 @@ axes[1].set(xlabel="decode step", title="averaged over layers")
 axes[1].legend()
 plt.tight_layout(); plt.show()'''),
     ("md", "## Where the step-wise top channels fall in POP's partition\nFor each layer: of the channels the fully dynamic method keeps at a step, how many are in POP's retained (R), candidate (C) and pruned (P) regions from the same prefill?"),
-    ("code", '''pop = popjax.POP(ratio=ratio, gamma=0.1)
+    ("code", '''pop = popjax.POP(ratio=ratio, gamma=0.1, aggregate="shared")  # one prompt, one partition: [L, n] traces
 plan = pop.bind(params.config)
 pop_trace = popjax.generate_ids(params, [prompt], max_new_tokens=steps, method=pop, ignore_eos=True, return_trace=True)[1]
 R, C = pop_trace["partition"]["retained_idx"], pop_trace["partition"]["candidate_idx"]  # [L, n_R], [L, n_C]
