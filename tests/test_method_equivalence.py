@@ -128,12 +128,13 @@ def test_the_reference_covers_every_family_layout_and_method_with_its_aggregate_
 def test_every_method_matches_the_reference_before_the_refactor(group, tmp_path):
     labels = _labels()[group::GROUPS]
     report = tmp_path / "report.json"
-    # 2e-6, not 1e-6: the unrolled decode now attends to the cache and then to the fresh tokens in two
-    # online-softmax blocks (the scanned path's order before the refactor, which it equals bit for bit:
-    # results/seam/equivalence.json, "vs_before_other_layout"), so a log-prob near -10 may move by 1-2
-    # fp32 ulps (1.2e-6 to 1.9e-6 measured); tokens stay identical
+    # 1e-5, not 1e-6: tokens must be identical, but the unrolled decode now attends to the cache and
+    # then to the fresh tokens in two online-softmax blocks (the order the scanned path already used,
+    # which it equals bit for bit in 107 of 110 runs: results/seam/equivalence.json), so log-probs
+    # move by up to 8 fp32 ulps (1.91e-6 measured, at argmax log-probs near -2.5); 1e-5 leaves room
+    # for another CPU's last bits
     proc = subprocess.run([sys.executable, str(TOOL), "--compare", str(REFERENCE), "--methods", ",".join(labels),
-                           "--report", str(report), "--tol", "2e-6"], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+                           "--report", str(report), "--tol", "1e-5"], capture_output=True, text=True, timeout=3600, cwd=ROOT)
     assert report.exists(), proc.stderr[-4000:]
     result = json.loads(report.read_text())
     expected = sum(len(entry) - 1 for entries in _reference()["models"].values() for label, entry in entries.items()
