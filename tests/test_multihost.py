@@ -221,10 +221,18 @@ if __name__ == "__main__":
     worker(*sys.argv[1:5])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets are held open together, so the OS cannot hand out
+    one port twice (two ``bind(0)`` calls in a row may; the reference process would then reach
+    the joined pair's coordinator)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +240,7 @@ def runs(tmp_path_factory) -> dict:
     """The two joined processes and the reference process, launched once at the same time."""
     out = tmp_path_factory.mktemp("multihost")
     store = write_store(out / "store")
-    port, unused_port = free_port(), free_port()
+    port, unused_port = free_ports(2)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
            "POPJAX_CACHE": str(out / "cache")}
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
@@ -249,7 +257,8 @@ def runs(tmp_path_factory) -> dict:
         except subprocess.TimeoutExpired:
             for p in procs.values():
                 p.kill()
-            pytest.fail(f"process {role} did not finish in 240 s")
+            tails = {r: (p.communicate()[0] or "")[-1500:] for r, p in procs.items() if r not in logs}
+            pytest.fail(f"process {role} did not finish in 240 s; what the unfinished processes printed: {tails}")
     found = {}
     for role in roles:
         path = out / f"{role}.json"

@@ -672,7 +672,7 @@ def test_eight_devices_match_one_device(eight_devices):
 CANDIDATE_ROWS = {"down_candidates", "up_candidates", "gate_up_candidates", "band_gate_up", "band_down_rows",
                   "score_in", "score_out"}
 # candidate rows (pop-gate: up and down, 2·n_C·d) and scoring factors outweigh their split blocks here
-CANDIDATE_HEAVY = {"pop-gate", "pop-lowrank"}
+CANDIDATE_HEAVY = {"pop-gate", "pop-lowrank", "pop-bands"}
 
 
 @pytest.mark.slow  # starts the 8-device worker process

@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help=f"'tiny' ({', '.join(TINY_MODELS)}), 'default', or a comma list; "
                    "default: --compare's models, else tiny")
     p.add_argument("--methods", default=None, help="comma list of run labels (e.g. 'pop[shared],dense'); default all")
+    p.add_argument("--diagonal", action="store_true",
+                   help="with --compare: model i of n runs only its sorted run labels i, i + n, ... (every run on one model)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of unrolled, scanned")
     p.add_argument("--all-aggregates", action="store_true",
                    help="--record: every value of every method's aggregate (default: the default, and EXTRA_AGGREGATES)")
@@ -330,6 +332,12 @@ def describe(row: dict) -> str:
     return text.strip()
 
 
+def diagonal(reference: dict, model: str) -> list[str]:
+    """The run labels ``--diagonal`` gives ``model``: its sorted labels i, i + n, ... (model i of n)."""
+    models = list(reference["models"])
+    return sorted(reference["models"][model])[models.index(model)::len(models)]
+
+
 def _check_choice(flag: str, given: list[str], valid: list[str]) -> None:
     unknown = [g for g in given if g not in valid]
     if unknown:
@@ -346,6 +354,8 @@ def plan(args: argparse.Namespace) -> tuple[dict | None, list[str], list[str], d
     _check_choice("--models", models, list(reference["models"]) if reference else [*TINY_MODELS, "default"])
     if "default" in models and models != ["default"]:
         raise SystemExit("--models: run 'default' alone (it runs under JAX's default XLA settings)")
+    if args.diagonal and reference is None:
+        raise SystemExit("--diagonal: give --compare REF.json (the diagonal is of its runs)")
     layouts = args.layouts.split(",")
     _check_choice("--layouts", layouts, list(LAYOUTS))
     if reference is not None and args.methods is not None:
@@ -382,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             specs, ran = method_specs(name != "default", args.all_aggregates), layouts
         if wanted is not None:
             specs = {k: v for k, v in specs.items() if k in wanted}
+        if args.diagonal:
+            specs = {k: specs[k] for k in diagonal(reference, name) if k in specs}
         run_model(name, specs, ran, results["models"].setdefault(name, {}), lambda: save(args.record, results))
     save(args.record, results)  # a killed run keeps the methods it ran (saved after each)
     if reference is None:

@@ -50,6 +50,7 @@ from .. import distributed, engine
 from ..loaded import LoadedModel
 from ..methods import Method, method_label, prepared
 from ..requests import pad_batch, pad_token_id
+from . import local_tasks
 from .bigbench import PREFIX, Query, Task, build_queries, grade, norm_correct, wilson_interval
 from .lm_eval_adapter import PopjaxLM, task_manager_for
 
@@ -197,25 +198,9 @@ def documents(queries: list[Query]) -> list[dict[str, Any]]:
 
 
 def task_yaml(name: str, data_file: Path) -> str:
-    """A multiple-choice task over ``data_file``; fields named directly (no Jinja on the text)."""
-    return "\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data_file.resolve()))}",
-        "test_split: test",
-        "output_type: multiple_choice",
-        "doc_to_text: context",
-        "doc_to_choice: choices",
-        "doc_to_target: label",
-        'target_delimiter: ""',  # the context ends with BIG-bench's output prefix; the choice follows it
-        'fewshot_delimiter: ""',
-        "metric_list:",
-        "  - metric: acc",
-        "  - metric: acc_norm",
-        "metadata:",
-        "  version: 1.0",
-        "",
-    ])
+    """A multiple-choice task over ``data_file``: the context ends with BIG-bench's output prefix
+    and a choice follows it directly, in few-shot examples too."""
+    return local_tasks.task_yaml(name, data_file, ('target_delimiter: ""', 'fewshot_delimiter: ""'))
 
 
 def write_lm_eval_task(task: Task, directory: str | Path, shots: int = 0, limit: int | None = None, seed: int = 42) -> str:

@@ -72,18 +72,21 @@ def next_line_documents(
     return docs
 
 
-def task_yaml(task: str, data_file: Path) -> str:
-    """A multiple-choice task over a local JSON-lines file (lm-eval's ``json`` dataset builder)."""
+def task_yaml(task: str, data_file: Path, delimiters: tuple[str, ...] = ('target_delimiter: ""',)) -> str:
+    """A multiple-choice task over a local JSON-lines file of {"context", "choices", "label"}
+    (lm-eval's ``json`` dataset builder). Fields are named directly, not through Jinja, so text
+    with braces stays text. ``delimiters``: lm-eval's delimiter lines; the default joins a choice
+    straight to its context (here: the context ends with a newline, a choice is the next line)."""
     return "\n".join([
         f"task: {task}",
         "dataset_path: json",
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data_file.resolve()))}",
         "test_split: test",
         "output_type: multiple_choice",
-        'doc_to_text: "{{context}}"',
-        'doc_to_choice: "{{choices}}"',
+        "doc_to_text: context",
+        "doc_to_choice: choices",
         "doc_to_target: label",
-        'target_delimiter: ""',  # the context ends with a newline; a choice is the next line
+        *delimiters,
         "metric_list:",
         "  - metric: acc",
         "  - metric: acc_norm",

@@ -23,7 +23,7 @@ from .. import distributed
 from ..convert.fused import dequantize_tree
 from ..corpus import Corpus, default_corpus, text_file_corpus
 from ..models.moe import slot_array
-from ..sharding import pad_ids, take_split, take_split_rows
+from ..sharding import pad_ids, take_replicated, take_split, take_split_rows
 
 AGGREGATES = ("shared", "per_sequence")
 # aggregates under which every row gets its own statistics (its output ignores its batch-mates)
@@ -165,6 +165,13 @@ def copy_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
 def copy_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
     """`copy_channels` of gate/up rows: [2, f, d] -> [2, k', d]."""
     return copy_channels(gate_up, idx, axis=1)
+
+
+def copy_candidates(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
+    """Prefill's copy of candidate channels ``idx`` [n] along ``axis``, which every step gathers
+    a few of: held whole by every device on a mesh (`take_replicated`: local gathers and one
+    all-reduce of the copy, never a gathered weight); ``take_channels`` without one."""
+    return take_replicated(w, idx, axis)
 
 
 def copy_rows(w: jax.Array, ids: jax.Array) -> jax.Array:

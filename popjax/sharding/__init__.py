@@ -28,7 +28,7 @@ from __future__ import annotations
 from .rules import declared_axes, model_axes, param_axes, partition_spec, param_paths, MESH_AXES, RULES, CACHE_AXES
 from .mesh import make_mesh, check_mesh, check_batch, use_mesh, active_mesh_axes, constrain, constrain_cache, constrain_method_state
 from .params import param_sharding, param_shardings, abstract_params, place, shard_params
-from .gathers import split_channels, take_split, take_split_rows, pad_ids, UNOWNED
+from .gathers import split_channels, take_split, take_replicated, take_split_rows, pad_ids, UNOWNED
 from .hlo import count_collectives, collective_operands, COLLECTIVES
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "shard_params",
     "split_channels",
     "take_split",
+    "take_replicated",
     "take_split_rows",
     "pad_ids",
     "UNOWNED",

@@ -52,6 +52,30 @@ def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
     return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec)(w, ids)
 
 
+def take_replicated(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """``jnp.take(w, ids, axis)`` held whole by every device, with ``w`` split over the ``mlp``
+    mesh axis along ``axis``: each device takes the ids in its own block (zeros for the others)
+    and one all-reduce sums the partial copies. The candidate rows a POP step gathers from
+    (replicated, [n_C, ...]): a batched (per-sequence) ``jnp.take`` of a split weight makes
+    XLA all-gather the weight instead. Without a mesh: ``jnp.take``."""
+    n = split_channels()
+    if isinstance(w, Int8Weight):
+        return w.along(axis, lambda a, ax: take_replicated(a, ids, ax))
+    if n == 1 or w.shape[axis] % n:
+        return jnp.take(w, ids, axis=axis, mode="clip")
+    block = w.shape[axis] // n
+    spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
+
+    def local(w_block, ids):
+        position = ids - jax.lax.axis_index(RULES["mlp"]) * block
+        mine = (position >= 0) & (position < block)
+        rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
+        rows = jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w.ndim) if i != axis)), rows, 0)
+        return jax.lax.psum(rows, RULES["mlp"])
+
+    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())(w, ids)
+
+
 def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows of ``w`` [P, F, ...] read as its [P·F, ...] matrix, ids ``p·F + c`` [k] (k a multiple
     of n; negative ids give zero rows) -> [k, ...] split over the ``mlp`` mesh axis along rows,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ...sharding import pad_ids
-from ..base import copy_rows, dot, down_proj, gate_activation, prefill_importance, take_channels
+from ..base import copy_candidates, copy_rows, dot, down_proj, gate_activation, prefill_importance, take_channels
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, copy_channels_or_empty
 
@@ -58,10 +58,10 @@ def gate_partition_state(w, retained, candidates) -> dict:
         "candidate_idx": candidates,  # [n_C]
         # gate R', up R', gate C: [(2 n_R' + n_C)', d]
         "step_rows": copy_rows(w.gate_up, jnp.concatenate([padded, up_padded, candidates])),
-        "up_candidates": take_channels(w.gate_up[1], candidates, axis=0),  # [n_C, d]
+        "up_candidates": copy_candidates(w.gate_up[1], candidates, axis=0),  # [n_C, d]
         "down_retained": copy_channels_or_empty(w.down, padded, axis=1),  # [d, n_R']
-        "down_candidates": take_channels(w.down, candidates, axis=1).T,  # [n_C, d]
-        "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),  # [n_C]
+        "down_candidates": copy_candidates(w.down, candidates, axis=1).T,  # [n_C, d]
+        "down_norm_candidates": copy_candidates(w.down_norm, candidates, axis=0),  # [n_C]
     }
 
 

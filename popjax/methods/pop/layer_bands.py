@@ -53,9 +53,9 @@ from ...calibration import Statistic, calibrate
 from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import table_row
-from ..base import (gate_activation, 
-    DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
-    take_channels, take_gate_up,
+from ..base import (
+    gate_activation, copy_candidates, DensePlan, MethodError, Plan, activations, dot, down_proj, kept_channels, prefill_importance, round_half_up, score_prompt,
+    take_channels,
 )
 from .core import POPPreset
 from .plan import EXACT, GLOBAL_BAND, BandRule, POPPlan, copy_channels_or_empty
@@ -167,9 +167,9 @@ class PerLayerBands(BandRule):
             "core_gate_up": copy_channels_or_empty(w.gate_up, core, axis=1),  # [2, n_core', d]
             "core_down": copy_channels_or_empty(w.down, core, axis=1),  # [d, n_core']
             # the widest band's zone: retained or candidate by branch, gathered from per step
-            "band_gate_up": take_gate_up(w.gate_up, band).swapaxes(0, 1),  # [2 m_max, 2, d]
-            "band_down_rows": take_channels(w.down, band, axis=1).T,  # [2 m_max, d]
-            "band_down_norm": take_channels(w.down_norm, band, axis=0),  # [2 m_max]
+            "band_gate_up": copy_candidates(w.gate_up, band, axis=1).swapaxes(0, 1),  # [2 m_max, 2, d]
+            "band_down_rows": copy_candidates(w.down, band, axis=1).T,  # [2 m_max, d]
+            "band_down_norm": copy_candidates(w.down_norm, band, axis=0),  # [2 m_max]
         }
         h = activations(w.gate_up, x, gate_activation(w))  # XLA shares it with score_prompt's
         return y, state, {"importance": importance, "drift": prompt_drift(h, valid, w.down_norm, plan.n_keep)}

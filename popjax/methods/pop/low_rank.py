@@ -46,8 +46,8 @@ from ... import calibration
 from ...loaded import unrolled
 from ...models.config import ModelConfig
 from ...models.moe import table_row
-from ..base import (gate_activation, 
-    DensePlan, MethodError, Plan, activations, dot, down_proj, gate_up_blocks, kept_channels, prefill_importance, take_channels, take_gate_up,
+from ..base import (
+    gate_activation, copy_candidates, DensePlan, MethodError, Plan, activations, dot, down_proj, gate_up_blocks, kept_channels, prefill_importance, take_channels,
 )
 from .core import POPPreset
 from .plan import CandidateScorer, POPPlan, check_choice, copy_channels_or_empty
@@ -167,9 +167,9 @@ class LowRankScorer(CandidateScorer):
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
             # a candidate's gate row and up row side by side, so a step gathers m rows
-            "gate_up_candidates": take_gate_up(w.gate_up, candidates).swapaxes(0, 1),  # [n_C, 2, d]
-            "down_candidates": take_channels(w.down, candidates, axis=1).T,  # [n_C, d]
-            "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),  # [n_C]
+            "gate_up_candidates": copy_candidates(w.gate_up, candidates, axis=1).swapaxes(0, 1),  # [n_C, 2, d]
+            "down_candidates": copy_candidates(w.down, candidates, axis=1).T,  # [n_C, d]
+            "down_norm_candidates": copy_candidates(w.down_norm, candidates, axis=0),  # [n_C]
         }
 
     def estimated_scores(self, state, x, valid, act=jax.nn.silu) -> jax.Array:

@@ -36,8 +36,8 @@ from ...kernels.ffn_layout import InputRows, channel_lines, input_layout
 from ...kernels.int8 import Int8Weight, empty_along
 from ...sharding import pad_ids
 from ..prompt_tokens import scoring_tokens
-from ..base import (gate_activation, 
-    AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
+from ..base import (
+    gate_activation, copy_candidates, AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
     step_importance, take_channels, take_gate_up,
 )
 
@@ -99,7 +99,7 @@ class ExactScorer(CandidateScorer):
         state = {
             "retained_idx": retained,
             "candidate_idx": candidates,
-            "down_norm_candidates": take_channels(w.down_norm, candidates, axis=0),
+            "down_norm_candidates": copy_candidates(w.down_norm, candidates, axis=0),
         }
         if not self.gather:
             state.update(exact_blocks(w, retained, candidates))
@@ -166,7 +166,7 @@ def exact_blocks(w, retained, candidates) -> dict:
     return {
         "gate_up": copy_gate_up(w.gate_up, jnp.concatenate([retained, candidates])),
         "down_retained": copy_channels_or_empty(w.down, retained, axis=1),
-        "down_candidates": take_channels(w.down, candidates, axis=1).T,
+        "down_candidates": copy_candidates(w.down, candidates, axis=1).T,
     }
 
 
@@ -176,7 +176,7 @@ def candidate_rows(down, candidates: jax.Array) -> InputRows:
     `ffn_layout.InputRows` values [n_C, L, 128] (+ scale [1, L·128] for int8). The kernel
     reads int8 weight-only (its h stays float), also on a model whose dots quantize
     activations (``Int8Weight.activations == "int8"``)."""
-    columns = take_channels(down, candidates, axis=1)  # [d, n_C]
+    columns = copy_candidates(down, candidates, axis=1)  # [d, n_C]
     if isinstance(columns, Int8Weight):
         return input_layout(columns.values, jnp.broadcast_to(columns.scale, (columns.shape[0], 1)))
     return input_layout(columns)
