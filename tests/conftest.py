@@ -20,7 +20,7 @@ import jax  # noqa: E402  (after JAX_PLATFORMS, which jax reads when it starts)
 jax.config.update("jax_disable_most_optimizations", True)
 
 # XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
-# emitters (measured: tests/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
+# emitters (measured: tests/models/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
 # more, and they run its scanned layers 2x slower. So an unoptimised compile takes them, except
 # in tests marked `real_model` (the whole real model) or `optimized_xla` (`_xla_optimisations`).
 # The option goes where `jax.jit(..., compiler_options=...)` puts its own (jax._src.compiler is

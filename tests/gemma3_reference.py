@@ -1,12 +1,12 @@
 """A float64 NumPy Gemma 3 (`RefGemma3`) and the fixtures the Gemma 3 method tests share
-(tests/test_gemma3_methods.py, tests/test_gemma3_prefill_only.py).
+(tests/methods/test_gemma3_methods.py, tests/methods/test_gemma3_prefill_only.py).
 
 `RefGemma3` is built from the transformers model's weights and config (not popjax's): it feeds
 any number of tokens per row after what its caches hold, keeps every key/value of the sequence
 (sliding layers mask by position instead of keeping a ring), and runs a caller's FFN function per
-layer, so POP, GRIFFIN and CATS (the references of tests/test_methods_reference.py and
-tests/test_baselines_reference.py, whose layers carry the GeGLU activation as ``W["act"]``,
-tests/reference.py) run inside a whole Gemma model. tests/test_gemma3_methods.py anchors it to
+layer, so POP, GRIFFIN and CATS (the references of tests/methods/test_methods_reference.py and
+tests/methods/test_baselines_reference.py, whose layers carry the GeGLU activation as ``W["act"]``,
+tests/reference.py) run inside a whole Gemma model. tests/methods/test_gemma3_methods.py anchors it to
 transformers' own logits first.
 """
 
@@ -21,8 +21,8 @@ import popjax
 from popjax.calibration import Corpus
 from tests.conftest import random_prompts
 from tests.reference import ref_gate, ref_hidden, ref_rank
-from tests.test_baselines_reference import ref_griffin_scores
-from tests.test_methods_reference import ref_pop_decode, ref_prefill
+from tests.methods.test_baselines_reference import ref_griffin_scores
+from tests.methods.test_methods_reference import ref_pop_decode, ref_prefill
 
 ATOL = 1e-4  # fp32 engine vs float64 reference, logits through every layer
 SWEEP_MODEL = "gemma3-last-sliding"  # 3 layers (sliding, full, sliding), window 6, soft-capped logits, untied
@@ -182,7 +182,7 @@ class FirstCallPrefill:
 
 
 class RefPOP(FirstCallPrefill):
-    """POP, shared mode (tests/test_methods_reference.py's reference): the partition from the
+    """POP, shared mode (tests/methods/test_methods_reference.py's reference): the partition from the
     prompt's valid tokens, then the top m of C by exact score at every step."""
 
     def __init__(self, ref, n_keep, m):

@@ -1,6 +1,6 @@
 """Gemma 3 parity figures: the largest |logit difference| between popjax (fp32) and transformers
 (fp32) on the tiny random Gemma 3 configs of the test suite, for a left-padded prefill and 8
-teacher-forced decode steps past the window (the check tests/test_parity.py asserts at 1e-4).
+teacher-forced decode steps past the window (the check tests/models/test_parity.py asserts at 1e-4).
 
     python tools/gemma3_parity.py --json results/gemma3/parity.json
 """
@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.conftes
 import popjax  # noqa: E402
 from popjax.files import write_json_atomic  # noqa: E402
 from tests.conftest import make_tiny_checkpoint  # noqa: E402
-from tests.test_parity import DECODE_STEPS, LENGTHS, parity_errors  # noqa: E402
+from tests.models.test_parity import DECODE_STEPS, LENGTHS, parity_errors  # noqa: E402
 
 
 def parity(name: str, work: Path) -> dict:
-    """tests/test_parity.py's protocol (`parity_errors`) on the unrolled and the scanned model."""
+    """tests/models/test_parity.py's protocol (`parity_errors`) on the unrolled and the scanned model."""
     hf = make_tiny_checkpoint(name, work / name)
     out = {"config": name, "prompt_lengths": list(LENGTHS), "decode_steps": DECODE_STEPS}
     for scan in (False, True):

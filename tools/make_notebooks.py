@@ -5,9 +5,26 @@ from pathlib import Path
 
 import nbformat as nbf
 
-SETUP = '''# Setup. Locally: `pip install -e .` in the repository. In Colab or on a TPU VM: clone the
-# repository, then `%pip install -e popjax` (add `jax[tpu]` on a TPU). Nothing here is device-specific.
-import os, time
+SETUP = '''# Setup: installs what is missing, so the notebook runs top to bottom locally, in Colab or on a TPU VM.
+# popjax comes from the repository checkout this notebook sits in (or ./popjax: `git clone <repo> popjax`);
+# on a machine with TPU chips, jax[tpu] of the installed jax's version.
+import importlib.metadata, importlib.util, os, pathlib, subprocess, sys
+
+def _pip(*args):
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *args])
+
+if importlib.util.find_spec("popjax") is None:
+    here = pathlib.Path.cwd()
+    root = next((p for p in [here, *here.parents, here / "popjax"] if (p / "pyproject.toml").is_file()), None)
+    if root is None:
+        raise SystemExit("popjax is not installed and no checkout is here: git clone the popjax repository, then rerun this cell")
+    _pip("-e", f"{root}[notebooks]")
+if importlib.util.find_spec("matplotlib") is None:
+    _pip("matplotlib")
+if pathlib.Path("/dev/accel0").exists() and importlib.util.find_spec("libtpu") is None:  # TPU chips, no TPU runtime
+    _pip(f"jax[tpu]=={importlib.metadata.version('jax')}")
+
+import time
 import numpy as np
 import matplotlib.pyplot as plt
 import jax
@@ -43,6 +60,25 @@ plt.ylabel("tokens/s (batch 1, includes prefill)")
 plt.title(f"decode speed on {jax.devices()[0].platform}")
 plt.show()
 print(speeds, popjax.engine.compile_counts())'''),
+    ("md", "## On a TPU\nOn a TPU VM or Colab's TPU runtime JAX's backend is the TPU and every call above runs there unchanged; the next cell then generates on it. Without a TPU, the TPU compiler still runs on this CPU (`libtpu`, in the `tpu` and `test` extras): `popjax.analysis.tpu_compile` compiles the loaded model's prefill and decode step for a v5e chip (`v5e:1x1`) and reports XLA:TPU's per-device memory and an **estimate** of decode tokens/s (bytes per step over HBM bandwidth, not a measurement; docs/tpu.md)."),
+    ("code", '''if jax.default_backend() == "tpu":
+    out = popjax.generate(params, "What is the capital of France?", max_new_tokens=32, method=popjax.POP(ratio=0.4))
+    print(jax.devices(), repr(out.text))
+else:
+    from popjax.analysis.tpu_compile import tpu_compile
+    from popjax.analysis.tpu_report import format_report
+
+    try:
+        report = tpu_compile(params.config, "v5e:1x1", ["pop", "static"], [0.4], context=256 if SMALL else 2048, decode_loop=False)
+    except ImportError as err:  # no libtpu: say which extra brings it
+        print(err)
+    else:
+        print(format_report(report))
+        records = [r for r in report["records"] if "decode_step" in r]
+        plt.bar([f"{r['method']} {r['ratio']}" for r in records], [r["decode_step"]["estimated_tokens_per_s"] for r in records])
+        plt.ylabel("estimated tokens/s (XLA:TPU bytes / HBM bandwidth)")
+        plt.title(f"compile-only estimate, {report['topology']['name']}, batch 1")
+        plt.show()'''),
 ]
 
 DYNAMICS = [

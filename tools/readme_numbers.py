@@ -6,7 +6,7 @@ benchmark commands write, so a number in the text is always the one in its resul
 
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``
 in a markdown file; ``BLOCKS`` says which file holds which block and how it is rendered.
-tests/test_readme_numbers.py runs ``--check``.
+tests/house/test_readme_numbers.py runs ``--check``.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from .ffn_layout import (
     ChannelRows,
     InputRows,
     activation,
-    channel_lines,
-    check_activation,
-    check_x,
+    check_channel_rows,
+    check_input_rows,
+    check_slab,
     select_blocks,
     select_channels,
 )
@@ -168,11 +168,7 @@ def block_ffn(
 ) -> jax.Array:
     """`ffn_tpu.block_ffn` on a GPU: x [B, d], slab values [nb, 3, b, d], block_ids [n]
     (+ count, + row_mask [B, nb]) -> y [B, d]."""
-    check_activation(act)
-    nb, three, b, d = slab.values.shape
-    if three != 3:
-        raise ValueError(f"slab values of shape {tuple(slab.values.shape)} are not [nb, 3, b, d]")
-    check_x(x, d)
+    nb, b, d = check_slab(slab, x, act)
     sel = select_blocks(block_ids, nb, x.shape[0], count, row_mask)
     base = sel.ids[:, None] * 3 * b + jnp.arange(b)[None, :]  # the gate row of each channel
     row_ids = jnp.stack([(base + k * b).reshape(-1) for k in range(3)])
@@ -195,11 +191,7 @@ def gather_ffn(
 ) -> jax.Array:
     """`ffn_tpu.gather_ffn` on a GPU: x [B, d], rows values [3, f, L, 128], ids [m] or [B, m]
     (+ count) -> y [B, d]. The columns past d are never loaded."""
-    check_activation(act)
-    three, f, lines, lanes = rows.values.shape
-    if three != 3 or lanes != 128 or lines * 128 < x.shape[-1]:
-        raise ValueError(f"rows values of shape {tuple(rows.values.shape)} do not fit x of shape {tuple(x.shape)}")
-    check_x(x, x.shape[-1])
+    f, lines = check_channel_rows(rows, x, act)
     sel = select_channels(ids, f, x.shape[0], count)
     row_ids = jnp.stack([sel.ids + k * f for k in range(3)])
     gus = None if rows.gate_up_scale is None else rows.gate_up_scale[:, sel.ids]
@@ -220,11 +212,7 @@ def gather_matvec(
     """`matvec_tpu.gather_matvec` on a GPU: y [B, n] = W · x over x's inputs ``ids`` ([m] or
     [B, m], + count), W as `InputRows` [k, L, 128]. The down kernel of `rows_ffn` with x's
     values at the positions in place of h."""
-    k, lines, lanes = rows.values.shape
-    if lanes != 128 or lines != channel_lines(out_features):
-        expected = f"[k, {channel_lines(out_features)}, 128]"
-        raise ValueError(f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; expected {expected}")
-    check_x(x, k)
+    k, lines = check_input_rows(rows, x, out_features)
     batch = x.shape[0]
     sel = select_channels(ids, k, batch, count)
     mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask

@@ -168,6 +168,44 @@ def check_activation(name: str) -> None:
         raise ValueError(f"act={name!r} is not a kernel activation; use one of {list(ACTIVATIONS)}")
 
 
+def check_slab(slab: "BlockSlab", x: jax.Array, act: str) -> tuple[int, int, int]:
+    """A block kernel's inputs: ``act``, slab values [nb, 3, b, d] and x [B, d] -> (nb, b, d)."""
+    check_activation(act)
+    nb, three, b, d = slab.values.shape
+    if three != 3:
+        raise ValueError(f"slab values of shape {tuple(slab.values.shape)} are not [nb, 3, b, d]")
+    check_x(x, d)
+    return nb, b, d
+
+
+def check_channel_rows(rows: "ChannelRows", x: jax.Array, act: str) -> tuple[int, int]:
+    """A channel-gather kernel's inputs: ``act``, rows values [3, f, L, 128] (L = `channel_lines`
+    of x's d) and x [B, d] -> (f, L)."""
+    check_activation(act)
+    three, f, lines, lanes = rows.values.shape
+    d = x.shape[-1]
+    if three != 3 or lanes != 128 or lines != channel_lines(d):
+        raise ValueError(
+            f"rows values of shape {tuple(rows.values.shape)} do not fit x's d={d}; "
+            f"expected [3, f, {channel_lines(d)}, 128] (ffn_layout.channel_layout)"
+        )
+    check_x(x, d)
+    return f, lines
+
+
+def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tuple[int, int]:
+    """A gathered matvec's inputs: rows values [k, L, 128] holding ``out_features`` outputs and
+    x [B, k] -> (k, L)."""
+    k, lines, lanes = rows.values.shape
+    if lanes != 128 or lines != channel_lines(out_features):
+        raise ValueError(
+            f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; "
+            f"expected [k, {channel_lines(out_features)}, 128] (ffn_layout.input_layout)"
+        )
+    check_x(x, k)
+    return k, lines
+
+
 def check_x(x: jax.Array, d: int) -> None:
     """x must be [B, d] with 1 <= B <= MAX_BATCH, float32 or bfloat16."""
     if x.ndim != 2 or x.shape[1] != d:

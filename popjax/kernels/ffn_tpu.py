@@ -34,8 +34,8 @@ from .ffn_layout import (
     activation,
     block_ffn_bytes,
     channel_lines,
-    check_activation,
-    check_x,
+    check_channel_rows,
+    check_slab,
     gather_ffn_bytes,
     select_blocks,
     select_channels,
@@ -172,11 +172,7 @@ def block_ffn(
     ``row_mask [B, nb]`` (bool) row r adds only the blocks it chose (block_ids then being the
     union, `ffn_layout.union_of_rows`). ``act`` is "silu" or "gelu_pytorch_tanh"; ``chip``
     sizes the VMEM check; ``vmem_limit_bytes`` overrides the limit derived from it."""
-    check_activation(act)
-    nb, three, b, d = slab.values.shape
-    if three != 3:
-        raise ValueError(f"slab values of shape {tuple(slab.values.shape)} are not [nb, 3, b, d]")
-    check_x(x, d)
+    nb, b, d = check_slab(slab, x, act)
     batch = x.shape[0]
     sel = select_blocks(block_ids, nb, batch, count, row_mask)
     n = sel.ids.shape[0]
@@ -295,15 +291,8 @@ def gather_ffn(
     """y [B, d] = the FFN of x [B, d] over channels ``ids`` of ``rows`` (`ChannelRows`, values
     [3, f, L, 128]): ids [m] for every row (ids[:count] selected), or [B, m] per row (count [B]
     or a scalar), served as their union with a per-row mask. ``chunk`` channels per grid step."""
-    check_activation(act)
-    three, f, lines, lanes = rows.values.shape
+    f, lines = check_channel_rows(rows, x, act)
     d = x.shape[-1]
-    if three != 3 or lanes != 128 or lines != channel_lines(d):
-        raise ValueError(
-            f"rows values of shape {tuple(rows.values.shape)} do not fit x's d={d}; "
-            f"expected [3, f, {channel_lines(d)}, 128] (ffn_layout.channel_layout)"
-        )
-    check_x(x, d)
     width = lines * 128
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be a positive number of channels per step")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, channel_lines, check_x, gather_matvec_bytes, select_channels
+from .ffn_layout import InputRows, channel_lines, check_input_rows, gather_matvec_bytes, select_channels
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, vmem_buffer_bytes, vmem_limit
 
 
@@ -75,13 +75,7 @@ def gather_matvec(
     """y [B, n] = W · x over the inputs ``ids`` of x [B, k] (W as `InputRows` [k, L, 128],
     n = ``out_features``): ids [m] for every row (ids[:count] active, `ffn_layout`'s contract)
     or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing."""
-    k, lines, lanes = rows.values.shape
-    if lanes != 128 or lines != channel_lines(out_features):
-        raise ValueError(
-            f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; "
-            f"expected [k, {channel_lines(out_features)}, 128] (ffn_layout.input_layout)"
-        )
-    check_x(x, k)
+    k, lines = check_input_rows(rows, x, out_features)
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be a positive number of inputs per step")
     batch, width = x.shape[0], lines * 128

@@ -18,7 +18,8 @@ split on n_kv: every device holds the query, key and value heads of its own KV g
 cache's heads and o's columns of the same groups, so attention runs without communication.
 Compact copies of channels that lie anywhere in f (static, global POP) are made by
 ``take_split``: local gathers and one reduce-scatter, the copy split over ``model`` like the
-weight it comes from.
+weight it comes from. Candidate rows that every step gathers a few of (POP's) are copied whole to
+every device by ``take_replicated``: local gathers and one all-reduce of the copy.
 
 Mesh axes: ``data`` (batch) × ``model`` (heads, FFN channels, vocabulary).
 """

@@ -39,17 +39,20 @@ def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         return jnp.take(w, ids, axis=axis, mode="clip")
     if w.shape[axis] % n or ids.shape[-1] % n:
         raise ValueError(f"take_split: axis {axis} of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
-    block = w.shape[axis] // n
     spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
-
-    def local(w_block, ids):
-        position = ids - jax.lax.axis_index(RULES["mlp"]) * block
-        mine = (position >= 0) & (position < block)
-        rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
-        rows = jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w.ndim) if i != axis)), rows, 0)
-        return jax.lax.psum_scatter(rows, RULES["mlp"], scatter_dimension=axis, tiled=True)
-
+    local = lambda w_block, ids: jax.lax.psum_scatter(_owned_rows(w_block, ids, axis), RULES["mlp"],  # noqa: E731
+                                                      scatter_dimension=axis, tiled=True)
     return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec)(w, ids)
+
+
+def _owned_rows(w_block: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+    """Inside a shard_map over ``mlp``: the rows ``ids`` (global positions along ``axis``) that
+    fall in this device's block of the weight, zeros for the others."""
+    block = w_block.shape[axis]
+    position = ids - jax.lax.axis_index(RULES["mlp"]) * block
+    mine = (position >= 0) & (position < block)
+    rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
+    return jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w_block.ndim) if i != axis)), rows, 0)
 
 
 def take_replicated(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
@@ -63,16 +66,8 @@ def take_replicated(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         return w.along(axis, lambda a, ax: take_replicated(a, ids, ax))
     if n == 1 or w.shape[axis] % n:
         return jnp.take(w, ids, axis=axis, mode="clip")
-    block = w.shape[axis] // n
     spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
-
-    def local(w_block, ids):
-        position = ids - jax.lax.axis_index(RULES["mlp"]) * block
-        mine = (position >= 0) & (position < block)
-        rows = jnp.take(w_block, jnp.clip(position, 0, block - 1), axis=axis)
-        rows = jnp.where(jnp.expand_dims(mine, tuple(i for i in range(w.ndim) if i != axis)), rows, 0)
-        return jax.lax.psum(rows, RULES["mlp"])
-
+    local = lambda w_block, ids: jax.lax.psum(_owned_rows(w_block, ids, axis), RULES["mlp"])  # noqa: E731
     return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())(w, ids)
 
 

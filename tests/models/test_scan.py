@@ -5,7 +5,7 @@ models; one compile per bucket;
 ``load(..., mesh=..., scan_layers=True)`` on one device; the clear errors for what a scan cannot
 run (non-identical layers, per-layer prefill modes, gates).
 
-Run: ``python -m pytest -q tests/test_scan.py``.
+Run: ``python -m pytest -q tests/models/test_scan.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from popjax.methods import METHODS, POPPlan, make_method
 from popjax.models import layers
 from popjax.kernels.int8 import TWO_PASS, Int8Weight, dot, quantize
 from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
-from tests.test_methods_reference import ref_pop_decode, ref_prefill
+from tests.methods.test_methods_reference import ref_pop_decode, ref_prefill
 
 ATOL = 1e-5
 
@@ -125,7 +125,7 @@ def _ready(name, model):
     if name == "prefill-only":
         method = make_method("prefill-only+pop", skip=(1,))
     corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 160, 6 * 16), window=16)
-    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal"):  # statistics over a corpus (as tests/test_moe_methods.py)
+    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal"):  # statistics over a corpus (as tests/methods/test_moe_methods.py)
         method = method.calibrate(model, corpus, cache=False)
     elif name == "pop-bands":  # its drift, measured on the corpus
         method = method.prepare(model, corpus=corpus)
@@ -243,7 +243,7 @@ def int8_state_formats(model, name: str) -> list[str]:
 def test_step_rows_keep_int8_activations(tiny_checkpoints):
     """Gate-scored and shortlisted POP copy per-step rows (`sharding.take_split_rows`) out of an
     int8 model: the copies read their activations as the model does (int8 here), not weight-only.
-    The same on a mesh: tests/test_sharding.py's worker."""
+    The same on a mesh: tests/scale/test_sharding.py's worker."""
     directory, _ = tiny_checkpoints("llama-gqa")
     model = popjax.load(directory, cache=False, weights="int8", activations="int8")
     for name in ("pop-gate", "pop-shortlist"):

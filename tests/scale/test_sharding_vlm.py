@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the worker imports tests.test_vlm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.models.test_vlm
 
-from tests.test_sharding import WORKER_FLAGS  # noqa: E402
+from tests.scale.test_sharding import WORKER_FLAGS  # noqa: E402
 
 MESHES = ((2, 1), (1, 2), (4, 2))
 

@@ -3,8 +3,8 @@ with mixed layer types equal the unrolled model, a sliding layer's cache is its 
 the capacity (the compiled program's memory), and bad configs fail in one line.
 
 Logit parity (left-padded prefill + 8 decode steps) runs with every architecture in
-tests/test_parity.py; GGUF sources in tests/test_gemma3_gguf.py; methods in
-tests/test_gemma3_methods.py."""
+tests/models/test_parity.py; GGUF sources in tests/models/test_gemma3_gguf.py; methods in
+tests/methods/test_gemma3_methods.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from popjax.analysis.flops import bytes_per_step
 from popjax.cli import main
 from popjax.models import ModelConfig
-from tests.test_pop_model import SMOLLM2
+from tests.methods.test_pop_model import SMOLLM2
 
 
 def test_bytes_per_step_follow_the_kept_channels():

@@ -2,7 +2,7 @@
 run in Pallas interpret mode on the CPU: odd sizes, padding, repeated and out-of-range ids,
 int8, batch 1 and > 1 with per-row masks, both activations. The compilers' side (Mosaic for
 v5e, Triton for CUDA), the bytes each kernel moves and the bad-input errors are in
-tests/test_kernels_compile.py."""
+tests/accelerators/test_kernels_compile.py."""
 
 from __future__ import annotations
 

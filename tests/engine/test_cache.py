@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-CACHE_DIR = Path(__file__).resolve().parents[1] / "popjax" / "cache"
+CACHE_DIR = Path(__file__).resolve().parents[2] / "popjax" / "cache"
 LOAD = (
     "import importlib.util, sys\n"
     f"spec = importlib.util.spec_from_file_location('popjax_cache_under_test', {str(CACHE_DIR / '__init__.py')!r}, "

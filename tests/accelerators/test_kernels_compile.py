@@ -2,7 +2,7 @@
 the TPU kernels for v5e (libtpu, compile-only) without a copy of the weights, within the VMEM
 they state and with their own bytes as the cost; the GPU kernels lower to Triton for CUDA; the
 bytes the TPU simulator sees them move are the bytes `ffn_layout` counts; bad input is one
-clear error line. Correctness is tests/test_kernels_ffn.py."""
+clear error line. Correctness is tests/accelerators/test_kernels_ffn.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from popjax.methods import MethodError, POPPlan, make_method, method_fields
 from popjax.methods.pop.gate_scored import gate_scored_plan
 from popjax.methods.pop.shortlist import shortlist_plan, ShortlistPOP, ShortlistScorer
 from popjax.methods.pop.shortlist_dynamic import ShortlistDynamic, shortlist_dynamic_plan
-from tests.test_frontier_methods import (
+from tests.methods.test_frontier_methods import (
     ATOL, CASES, D, as_jax, dnorm, group_norm, groups, jitted, random_batch, random_layer, ref_partition,
     ref_select_and_apply, run_and_compare, silu, sizes, tiny_config,
 )

@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 
 from tests.conftest import tiny_program_env
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_exist_and_are_stripped():

@@ -18,11 +18,11 @@ from popjax import cache
 from popjax.convert import CheckpointError, readers
 from popjax.models import ConfigError
 from popjax.models.config import ModelConfig
-from tests.test_parity import hf_logits, parity_errors
+from tests.models.test_parity import hf_logits, parity_errors
 from tests.gguf_files import dequantized_model, period_layer_types, tiny_gemma3, write_gemma3_gguf, write_metadata_only
 
 ATOL = 1e-4
-# tests/test_parity.py's protocol: prompts of 5, 9 and 13 tokens and 8 decode steps, up to 21
+# tests/models/test_parity.py's protocol: prompts of 5, 9 and 13 tokens and 8 decode steps, up to 21
 # positions, past both windows (8 and 6)
 
 # name -> (Gemma3TextConfig fields on top of TINY_BASE, write_gemma3_gguf options). Only layer

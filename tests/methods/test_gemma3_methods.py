@@ -5,11 +5,11 @@ depends on the architecture (the float64 `RefGemma3` of tests/gemma3_reference.p
 * POP, GRIFFIN, CATS (calibrated: its thresholds are quantiles of |gelu(x W_g)|) through the
   engine equal their NumPy references: partitions, importances, selections, logits.
 * The registry sweep: every registered method runs on the tiny Gemma 3, unrolled and scanned
-  (methods with a per-layer prefill schedule are refused by the scan, as tests/test_scan.py
+  (methods with a per-layer prefill schedule are refused by the scan, as tests/models/test_scan.py
   checks), prompts longer than the window, finite log-probabilities; scanned equals unrolled.
 * Prefill-Only + POP skipping both sliding layers equals the reference (rings, partitions built
   from the boundary token, selections, logits). Prefill-Only's own checks and the calibrations
-  that walk the layers are in tests/test_gemma3_prefill_only.py.
+  that walk the layers are in tests/methods/test_gemma3_prefill_only.py.
 
 Compiles are what this file spends its time on, so the sweep runs every method in ONE program
 per layout (`run_all`: each plan's teacher-forced decode steps after its prefill, plus the prefill
@@ -143,7 +143,7 @@ def _assert_partition(state, importance, pop, l):
 def test_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     """POP (shared): each layer's partition R/C and importance from the prompts (padding
     excluded), the log-probabilities of the prompt's last token and of every decode step, and
-    each step's selection, as in tests/test_methods_reference.py, on the whole Gemma model."""
+    each step's selection, as in tests/methods/test_methods_reference.py, on the whole Gemma model."""
     model, _, ref = gemma(SWEEP_MODEL)
     method = ready("pop")
     assert method.aggregate == "shared"  # what RefPOP implements

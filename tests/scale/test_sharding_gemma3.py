@@ -1,5 +1,5 @@
 """Gemma 3 on an 8-device mesh (one subprocess with 8 fake CPU devices, its own test file so
-xdist runs it beside tests/test_sharding.py's worker): mixed sliding-window and full layers,
+xdist runs it beside tests/scale/test_sharding.py's worker): mixed sliding-window and full layers,
 ring-buffer caches split over batch and KV heads, unrolled (every method below on the (2, 4) mesh,
 dense and POP on (1, 8)) and scanned (dense and POP on (2, 4)), equal to one device.
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the worker imports tests.test_sharding
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.scale.test_sharding
 
-from tests.test_sharding import ATOL, PROMPTS, WORKER_FLAGS, _teacher, random_tree, tiny_config  # noqa: E402
+from tests.scale.test_sharding import ATOL, PROMPTS, WORKER_FLAGS, _teacher, random_tree, tiny_config  # noqa: E402
 
 MESHES = ((1, 8), (2, 4))
 WINDOW = 4  # PROMPTS run to 12 tokens and decoding adds 10: every ring wraps

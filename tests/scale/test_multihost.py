@@ -9,7 +9,7 @@ processes fill one key; bad multi-host input is one ``popjax: error:`` line.
 ONE launch for the whole file (module fixture): the two joined processes and a third, single
 process (the reference run and the bad-input CLI calls) run `worker` below at once; each writes
 its findings as JSON for the tests. By hand (PORT free, STORE from `write_store`):
-``python tests/test_multihost.py OUT 0 PORT STORE & python tests/test_multihost.py OUT 1 PORT STORE``.
+``python tests/scale/test_multihost.py OUT 0 PORT STORE & python tests/scale/test_multihost.py OUT 1 PORT STORE``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "method_equivalence.py"
 REFERENCE = ROOT / "tests" / "data" / "method_equivalence_tiny.json"
 

@@ -20,7 +20,7 @@ import pytest
 
 import popjax
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("popjax", "models", "convert")
 
 

@@ -3,8 +3,8 @@ partition against a NumPy reference, and — in ONE subprocess with 8 fake CPU d
 method's tokens and log-probabilities on meshes (1, 8), (2, 4) (and (8, 1) where a method reduces
 over rows) against one device, plus the collectives of the compiled decode step.
 
-Run: ``python -m pytest -q tests/test_sharding.py``; the 8-device worker alone:
-``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/test_sharding.py``.
+Run: ``python -m pytest -q tests/scale/test_sharding.py``; the 8-device worker alone:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/scale/test_sharding.py``.
 """
 
 from __future__ import annotations
@@ -507,7 +507,7 @@ def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
         out["methods"][name] = {"(2, 4)": {"max_abs_logprob_diff": float(np.abs(got - want).max()),
                                            "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}}
     # per-step row copies of an int8-activation model keep its activation format on a mesh too
-    # (tests/test_int8.py checks one device; this worker runs as a script, without the tests package)
+    # (tests/models/test_int8.py checks one device; this worker runs as a script, without the tests package)
     import jax
     import jax.numpy as jnp
 

@@ -12,7 +12,7 @@ import popjax
 from popjax.corpus import Corpus
 from popjax.methods import METHODS, MethodError, make_method
 from popjax.methods.prompt_tokens import PROMPT_TOKENS
-from tests.test_vlm import IMAGE, _hf_model, digit, expanded, left_padded
+from tests.models.test_vlm import IMAGE, _hf_model, digit, expanded, left_padded
 
 torch = pytest.importorskip("torch")
 

