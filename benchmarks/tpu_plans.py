@@ -27,18 +27,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-BATCH, CONTEXT, RATIO = 1, 4096, 0.4
-# name: (model, topology, mesh, weights); the mesh uses every device of the slice
+CONTEXT, RATIO = 4096, 0.4
+# name: (model, topology, mesh, weights, batch); the mesh uses every device of the slice, a data
+# axis of 2 takes a batch of 2 (Qwen3-30B-A3B has 4 KV heads: its model axis is at most 4)
 TARGETS = {
-    "llama-3.1-8b v5e:2x4 bf16": ("llama-3.1-8b", "v5e:2x4", "1x8", "float"),
-    "llama-3.1-8b v5e:2x4 int8": ("llama-3.1-8b", "v5e:2x4", "1x8", "int8"),
-    "llama-3.1-70b v5p:2x2x2 bf16": ("llama-3.1-70b", "v5p:2x2x2", "1x8", "float"),
-    "llama-3.1-70b v6e:2x4 bf16": ("llama-3.1-70b", "v6e:2x4", "1x8", "float"),
-    "gemma-3-27b v5e:2x4 bf16": ("gemma-3-27b", "v5e:2x4", "1x8", "float"),
-    "qwen3-30b-a3b v5e:2x4 bf16": ("qwen3-30b-a3b", "v5e:2x4", "1x8", "float"),
-    "qwen2-vl-7b v5e:2x2 bf16": ("qwen2-vl-7b", "v5e:2x2", "1x4", "float"),
+    "llama-3.1-8b v5e:2x4 bf16": ("llama-3.1-8b", "v5e:2x4", "1x8", "float", 1),
+    "llama-3.1-8b v5e:2x4 int8": ("llama-3.1-8b", "v5e:2x4", "1x8", "int8", 1),
+    "llama-3.1-70b v5p:2x2x2 bf16": ("llama-3.1-70b", "v5p:2x2x2", "1x8", "float", 1),
+    "llama-3.1-70b v6e:2x4 bf16": ("llama-3.1-70b", "v6e:2x4", "1x8", "float", 1),
+    "gemma-3-27b v5e:2x4 bf16": ("gemma-3-27b", "v5e:2x4", "1x8", "float", 1),
+    "qwen3-30b-a3b v5e:2x4 bf16": ("qwen3-30b-a3b", "v5e:2x4", "2x4", "float", 2),
+    "qwen2-vl-7b v5e:2x2 bf16": ("qwen2-vl-7b", "v5e:2x2", "1x4", "float", 1),
     # 4 hosts of 4 chips: a multi-process slice, compiled from this one process
-    "llama-3.1-8b v5e:4x4 bf16": ("llama-3.1-8b", "v5e:4x4", "1x16", "float"),
+    "llama-3.1-8b v5e:4x4 bf16": ("llama-3.1-8b", "v5e:4x4", "2x8", "float", 2),
 }
 METHODS = {"dense": "dense", "pop 0.4": "pop"}
 
@@ -50,12 +51,12 @@ def _popjax(args: list[str], env: dict[str, str] | None = None) -> None:
         raise RuntimeError(f"popjax {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
 
 
-def cpu_plan(model: str, mesh: str, weights: str, method: str) -> dict:
+def cpu_plan(model: str, mesh: str, weights: str, batch: int, method: str) -> dict:
     """``popjax plan`` on fake CPU devices: analytic and XLA:CPU per-device bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         ratio = [] if method == "dense" else ["--ratio", str(RATIO)]
-        _popjax(["plan", "--model", model, "--mesh", mesh, "--batch", str(BATCH), "--context", str(CONTEXT),
+        _popjax(["plan", "--model", model, "--mesh", mesh, "--batch", str(batch), "--context", str(CONTEXT),
                  "--method", method, *ratio, "--weights", weights, "--scan-layers", "--json", str(out)])
         plan = json.loads(out.read_text())
     xla, analytic = plan["xla_per_device"], plan["analytic_per_device"]
@@ -64,21 +65,22 @@ def cpu_plan(model: str, mesh: str, weights: str, method: str) -> dict:
                         "prefill_peak": xla["prefill_peak"], "decode_peak": xla["decode_peak"]}}
 
 
-def tpu_plan(model: str, topology: str, mesh: str, weights: str) -> dict:
+def tpu_plan(model: str, topology: str, mesh: str, weights: str, batch: int) -> dict:
     """``popjax compile`` for the slice: XLA:TPU per-device bytes of dense and POP (one run)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compile.json"
         _popjax(["compile", "--topology", topology, "--model", model, "--method", "pop", "--ratio", str(RATIO),
-                 "--weights", weights, "--batch", str(BATCH), "--context", str(CONTEXT), "--mesh", mesh,
+                 "--weights", weights, "--batch", str(batch), "--context", str(CONTEXT), "--mesh", mesh,
                  "--scan-layers", "--json", str(out)])
         report = json.loads(out.read_text())
     found = {}
     for record in report["records"]:
+        label = "dense" if record["name"] == "dense" else "pop 0.4"
         if "error" in record:  # XLA:TPU refused it: larger than the chip's HBM
-            found[record["method"]] = {"fits": False, "error": record["error"]}
+            found[label] = {"fits": False, "error": record["error"]}
             continue
         programs = record["programs"]
-        found["dense" if record["name"] == "dense" else "pop 0.4"] = {
+        found[label] = {
             **record["arguments"], "fits": record["fits"],
             # XLA:CPU's peaks count no generated code: the TPU's are compared without it, and it is kept
             "prefill_peak": programs["prefill"]["peak"] - programs["prefill"]["generated_code"],
@@ -89,13 +91,13 @@ def tpu_plan(model: str, topology: str, mesh: str, weights: str) -> dict:
 
 
 def plan_target(name: str) -> dict:
-    model, topology, mesh, weights = TARGETS[name]
-    tpu = tpu_plan(model, topology, mesh, weights)
+    model, topology, mesh, weights, batch = TARGETS[name]
+    tpu = tpu_plan(model, topology, mesh, weights, batch)
     rows = {}
     for label, method in METHODS.items():
-        cpu = cpu_plan(model, mesh, weights, method)
+        cpu = cpu_plan(model, mesh, weights, batch, method)
         rows[label] = {**cpu, "xla_tpu": tpu["methods"].get(label, {"error": "not compiled"})}
-    return {"model": model, "topology": tpu["topology"], "mesh": mesh, "weights": weights, "batch": BATCH,
+    return {"model": model, "topology": tpu["topology"], "mesh": mesh, "weights": weights, "batch": batch,
             "context": CONTEXT, "scan_layers": True, "methods": rows}
 
 
@@ -135,8 +137,14 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.is_file() else {}
     todo = [n for n in names if n not in results]
     with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        for name, found in zip(todo, pool.map(plan_target, todo)):
-            results[name] = found
+        running = {pool.submit(plan_target, name): name for name in todo}
+        for done in concurrent.futures.as_completed(running):  # saved as each finishes; a failure is reported, not kept
+            name = running[done]
+            try:
+                results[name] = done.result()
+            except RuntimeError as err:
+                print(f"failed: {name}: {err}", flush=True)
+                continue
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1) + "\n")
             print(f"done: {name}", flush=True)

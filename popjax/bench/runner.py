@@ -193,7 +193,9 @@ class MethodRun:
         return {
             "ttft_s": ttft,
             "decode_s": decode,
-            "decode_tokens_per_s": self.batch * (self.max_new_tokens - 1) / max(decode, 1e-9),
+            # None when generate took no longer than its prefill (a decode too short for the timer's
+            # noise): not a speed, and never an absurd one
+            "decode_tokens_per_s": self.batch * (self.max_new_tokens - 1) / decode if decode > 0 else None,
             "generate_s": total,
             "compile_s": max(self.first_s - total, 0.0),
             "compiles": self.compiles,
@@ -286,7 +288,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     for rec in records:
         roofline = rec["batch"] * bw * 1e9 / rec["bytes_per_step"]
         rec["roofline_tokens_per_s"] = roofline
-        rec["roofline_fraction"] = rec["decode_tokens_per_s"] / roofline
+        rec["roofline_fraction"] = None if rec["decode_tokens_per_s"] is None else rec["decode_tokens_per_s"] / roofline
     result = {
         "model": str(s.model),
         "dtype": model.dtype,
@@ -318,16 +320,22 @@ def format_table(result: dict[str, Any]) -> str:
         "| method | weights | ratio | batch | decode tok/s | × dense (same weights) | × dense float | × transformers | roofline tok/s | roofline % | TTFT ms | compile s | recompiles (20 prompts) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    unmeasured = "n/m"  # a decode too short to time (decode_tokens_per_s is None)
+    ratio = lambda a, b: unmeasured if a is None or not b else f"{a / b:.2f}"  # noqa: E731
     for r in result["records"]:
+        tps = r["decode_tokens_per_s"]
+        fraction = unmeasured if tps is None else f"{100 * r['roofline_fraction']:.0f}"
+        tps_text = unmeasured if tps is None else f"{tps:.1f}"
         hf_tps = hf.get(str(r["batch"]), {}).get("decode_tokens_per_s")
         lines.append(
-            f"| {r.get('label', r['method'])} | {r.get('weights', 'float')} | {r['ratio']:.2f} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
-            f"{r['decode_tokens_per_s'] / dense[(r.get('weights', 'float'), r['batch'])]:.2f} | "
-            f"{r['decode_tokens_per_s'] / dense.get(('float', r['batch']), float('nan')):.2f} | "
-            f"{r['decode_tokens_per_s'] / hf_tps if hf_tps else float('nan'):.2f} | "
-            f"{r['roofline_tokens_per_s']:.1f} | {100 * r['roofline_fraction']:.0f} | {1000 * r['ttft_s']:.0f} | "
-            f"{r['compile_s']:.1f} | {r.get('recompiles_across_20_prompts', '-')} |"
+            f"| {r.get('label', r['method'])} | {r.get('weights', 'float')} | {r['ratio']:.2f} | {r['batch']} | "
+            f"{tps_text} | {ratio(tps, dense[(r.get('weights', 'float'), r['batch'])])} | "
+            f"{ratio(tps, dense.get(('float', r['batch'])))} | {ratio(tps, hf_tps)} | "
+            f"{r['roofline_tokens_per_s']:.1f} | {fraction} | "
+            f"{1000 * r['ttft_s']:.0f} | {r['compile_s']:.1f} | {r.get('recompiles_across_20_prompts', '-')} |"
         )
+    if any(r["decode_tokens_per_s"] is None for r in result["records"]):
+        lines.append(f"\n{unmeasured}: generate took no longer than its prefill; raise --max-new-tokens to time the decode")
     peers = result.get("peers") or ({"transformers": result["transformers"]} if result.get("transformers") else {})
     for peer in peers.values():
         for batch, row in peer["by_batch"].items():

@@ -177,7 +177,7 @@ def attach_bench(records: list[dict[str, Any]], bench: dict[str, Any], batch: in
     configurations it measured: same method name and ratio, and the same label when the bench
     record has one; a bench record without a label ran the method's default hyper-parameters
     (aggregate aside: equal at batch 1). Returns how many configurations got a speed."""
-    rows = [b for b in bench.get("records", []) if b.get("batch") == batch and "decode_tokens_per_s" in b]
+    rows = [b for b in bench.get("records", []) if b.get("batch") == batch and b.get("decode_tokens_per_s") is not None]
     matched = 0
     for r in records:
         for b in rows:

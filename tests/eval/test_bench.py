@@ -64,3 +64,20 @@ def test_int8_bytes_and_weight_formats_in_the_table():
                           "transformers": peers["transformers"], "peers": peers})
     assert "| dense | int8 | 0.00 | 1 | 60.0 | 1.00 | 1.50 | 6.00 |" in table
     assert "llama.cpp, batch 1: 50.0 tok/s" in table
+
+
+def test_a_decode_too_short_to_time_is_no_speed():
+    """A generate no longer than its prefill gives no tokens/s (None in the JSON, n/m in the
+    table), never the absurd rate of a near-zero difference."""
+    from popjax.bench.runner import MethodRun, format_table
+
+    run = MethodRun.__new__(MethodRun)
+    run.batch, run.max_new_tokens, run.first_s, run.compiles = 1, 4, 2.0, 1
+    run.ttft, run.total = [0.50, 0.52], [0.49, 0.52]  # decode: -0.01 and 0.0
+    assert run.stats()["decode_tokens_per_s"] is None
+    run.total = [0.80, 0.82]
+    assert run.stats()["decode_tokens_per_s"] == pytest.approx(3 / 0.30)
+    record = dict(method="dense", label="dense", weights="float", ratio=0.0, batch=1, decode_tokens_per_s=None,
+                  roofline_tokens_per_s=30.0, roofline_fraction=None, ttft_s=0.5, compile_s=1.0)
+    table = format_table({"bandwidth_gb_s": 20.0, "records": [record], "transformers": None, "peers": {}})
+    assert "| n/m | n/m |" in table and "raise --max-new-tokens" in table
