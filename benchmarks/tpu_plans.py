@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ TARGETS = {
     "llama-3.1-70b v6e:2x4 bf16": ("llama-3.1-70b", "v6e:2x4", "1x8", "float", 1),
     "gemma-3-27b v5e:2x4 bf16": ("gemma-3-27b", "v5e:2x4", "1x8", "float", 1),
     "qwen3-30b-a3b v5e:2x4 bf16": ("qwen3-30b-a3b", "v5e:2x4", "2x4", "float", 2),
+    "qwen3-30b-a3b v5e:2x4 int8": ("qwen3-30b-a3b", "v5e:2x4", "2x4", "int8", 2),  # bf16 weights: 14.2 GiB of 16
     "qwen2-vl-7b v5e:2x2 bf16": ("qwen2-vl-7b", "v5e:2x2", "1x4", "float", 1),
     # 4 hosts of 4 chips: a multi-process slice, compiled from this one process
     "llama-3.1-8b v5e:4x4 bf16": ("llama-3.1-8b", "v5e:4x4", "2x8", "float", 2),
@@ -110,9 +112,11 @@ def table(results: dict) -> str:
     for name, target in results.items():
         for label, row in target["methods"].items():
             a, c, t = row["analytic"], row["xla_cpu"], row["xla_tpu"]
-            if "error" in t:
-                lines.append(f"| {name} | {label} | {gib(a['weights'])} / {gib(c['weights'])} / – | | | | "
-                             f"{gib(c['decode_peak'])} / – | – | no: {t['error'][:80]} |")
+            if "error" in t:  # XLA:TPU's "... required for HLO temporaries (35.51G) exceeds available HBM (31.25G)"
+                need = re.findall(r"\(([\d.]+G)\)", t["error"])
+                refusal = f"no: needs {need[0]} of {need[1]}" if len(need) == 2 else f"no: {t['error'][:80]}"
+                lines.append(f"| {name} | {label} | {gib(a['weights'])} / {gib(c['weights'])} / – | – | – | – | "
+                             f"{gib(c['decode_peak'])} / – | – | {refusal} |")
                 continue
             lines.append(
                 f"| {name} | {label} | {gib(a['weights'])} / {gib(c['weights'])} / {gib(t['weights'])} | "

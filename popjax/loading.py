@@ -29,6 +29,7 @@ from .images import ImageProcessorConfig
 from .loaded import LoadedModel
 from .models.config import ModelConfig
 from .models.decoder import abstract_model
+from .models.layers import Derived
 from .kernels.int8 import ACTIVATION_MODES, check_weights
 from .models.scan import abstract_scanned_model, stack_layer_tree
 from .models.vision_config import vision_params_from_hf
@@ -284,7 +285,9 @@ def place_model(
     if mesh is not None:
         sharding.check_mesh(cfg, mesh)
         place = lambda name, array, dt: sharding.place(name, array, dt, mesh, cfg)
-    _fill(pure, tree, "", place)
+    # constants the model derives from its weights (`Derived` variables: down_norm) are not read
+    derived = {".".join(str(k) for k in path) for path, v in nnx.to_flat_state(state) if isinstance(v, Derived)}
+    _fill(pure, tree, "", place, derived)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     model.finalize()
@@ -338,15 +341,15 @@ def image_processor_config(directory: Path) -> ImageProcessorConfig:
     return ImageProcessorConfig.from_hf(json.loads(path.read_text()))
 
 
-def _fill(target: dict, source: dict, prefix: str, place) -> None:
+def _fill(target: dict, source: dict, prefix: str, place, derived: set[str]) -> None:
     """Copies source leaves into target (int layer keys in target, str keys in source): host
     arrays through ``place(name, host array, dtype)`` (device placement), device arrays as
-    they are (cast to the target dtype where it differs)."""
+    they are (cast to the target dtype where it differs); the ``derived`` paths get zeros."""
     for key, value in target.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            _fill(value, source[str(key)], name + ".", place)
-        elif name.endswith("down_norm"):
+            _fill(value, source[str(key)], name + ".", place, derived)
+        elif name in derived:
             target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize(), then placed
         else:
             array = source[str(key)]

@@ -151,8 +151,9 @@ def pytest_configure(config):
 # The files that take longest (measured with --durations=0, in this order: a subprocess with 8
 # devices, the whole real model, the two-process launch, ...) start first, so that with
 # `--dist loadfile` the other worker runs the many short files meanwhile and neither waits at the end.
-LONGEST_FILES = ("test_sharding.py", "test_default_model.py", "test_int8.py", "test_multihost.py",
-                 "test_gemma3_methods.py", "test_notebooks.py", "test_sharding_gemma3.py", "test_bf16.py")
+LONGEST_FILES = ("test_notebooks.py", "test_sharding.py", "test_method_equivalence.py", "test_tpu_compile.py",
+                 "test_gemma3_270m.py", "test_default_model.py", "test_gemma3_methods.py", "test_int8.py",
+                 "test_multihost.py", "test_sharding_gemma3.py", "test_bf16.py")
 
 
 def pytest_collection_modifyitems(config, items):

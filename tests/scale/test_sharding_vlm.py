@@ -28,7 +28,7 @@ def worker(out_path: str) -> None:
 
     import popjax
     from popjax.sharding import make_mesh
-    from tests import test_vlm as t
+    from tests.models import test_vlm as t
 
     text = {**t.TEXT, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
     cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2),

@@ -23,8 +23,8 @@ plan, and ``ShortlistPOP(gamma=1, band="all", prior="up", shortlist=σ)`` binds 
 plan as ``ShortlistDynamic(shortlist=σ)``. Of the two implementations that existed, the one kept
 copies the f channels' gate, up and down rows into compact blocks at prefill; the one removed read
 the model's own matrices every step (a strided gather of down columns, no copy). At equal bytes
-per step the copies decode at 0.70× dense where the removed one ran at 0.38× (batch 1, 40%,
-docs/frontier.md); the price is memory: a copy of the layer's FFN per request (per sequence with
+per step the copies decode faster (the measured speeds, batch 1 at 40%, are in docs/frontier.md);
+the price is memory: a copy of the layer's FFN per request (per sequence with
 ``aggregate="per_sequence"``) where the removed one held one ``[f]`` vector.
 
 Sizes: ``s = round(σ·f)`` clipped to ``[n_keep, f]`` for ``shortlist=σ``. Weights read per decode
