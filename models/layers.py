@@ -32,7 +32,8 @@ from .rope import apply_rope
 
 
 class Derived(nnx.Variable):
-    """A per-model constant computed from the weights (never saved in the checkpoint cache)."""
+    """A per-model constant computed from the weights, not trained: at load by ``finalize()``
+    (down_norm, never in the checkpoint cache) or at conversion (a MoE's channel_order)."""
 
 
 def _param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:

@@ -285,7 +285,8 @@ def place_model(
     if mesh is not None:
         sharding.check_mesh(cfg, mesh)
         place = lambda name, array, dt: sharding.place(name, array, dt, mesh, cfg)
-    # constants the model derives from its weights (`Derived` variables: down_norm) are not read
+    # constants the model derives from its weights (`Derived` variables) that the checkpoint does not
+    # hold (down_norm: finalize() computes it; a MoE's channel_order is written at conversion)
     derived = {".".join(str(k) for k in path) for path, v in nnx.to_flat_state(state) if isinstance(v, Derived)}
     _fill(pure, tree, "", place, derived)
     nnx.replace_by_pure_dict(state, pure)
@@ -344,12 +345,12 @@ def image_processor_config(directory: Path) -> ImageProcessorConfig:
 def _fill(target: dict, source: dict, prefix: str, place, derived: set[str]) -> None:
     """Copies source leaves into target (int layer keys in target, str keys in source): host
     arrays through ``place(name, host array, dtype)`` (device placement), device arrays as
-    they are (cast to the target dtype where it differs); the ``derived`` paths get zeros."""
+    they are (cast to the target dtype where it differs); a ``derived`` path the source lacks gets zeros."""
     for key, value in target.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             _fill(value, source[str(key)], name + ".", place, derived)
-        elif name in derived:
+        elif name in derived and str(key) not in source:
             target[key] = jnp.zeros(value.shape, value.dtype)  # derived in finalize(), then placed
         else:
             array = source[str(key)]
