@@ -7,6 +7,7 @@ import json
 import pytest
 
 from popjax.analysis.flops import bytes_per_step
+from popjax.bench.runner import MethodRun, format_table
 from popjax.cli import main
 from popjax.models import ModelConfig
 from tests.methods.test_pop_model import SMOLLM2
@@ -69,8 +70,6 @@ def test_int8_bytes_and_weight_formats_in_the_table():
 def test_a_decode_too_short_to_time_is_no_speed():
     """A generate no longer than its prefill gives no tokens/s (None in the JSON, n/m in the
     table), never the absurd rate of a near-zero difference."""
-    from popjax.bench.runner import MethodRun, format_table
-
     run = MethodRun.__new__(MethodRun)
     run.batch, run.max_new_tokens, run.first_s, run.compiles = 1, 4, 2.0, 1
     run.ttft, run.total = [0.50, 0.52], [0.49, 0.52]  # decode: -0.01 and 0.0
