@@ -148,12 +148,12 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# The files that take longest (measured with --durations=0, in this order: a subprocess with 8
-# devices, the whole real model, the two-process launch, ...) start first, so that with
+# The files that take longest (summed from --durations=0, longest first: the notebooks, the method
+# matrix, a subprocess with 8 devices, the TPU compiles, the real Gemma 3, ...) start first, so that with
 # `--dist loadfile` the other worker runs the many short files meanwhile and neither waits at the end.
-LONGEST_FILES = ("test_notebooks.py", "test_sharding.py", "test_method_equivalence.py", "test_tpu_compile.py",
-                 "test_gemma3_270m.py", "test_default_model.py", "test_gemma3_methods.py", "test_int8.py",
-                 "test_multihost.py", "test_sharding_gemma3.py", "test_bf16.py")
+LONGEST_FILES = ("test_notebooks.py", "test_method_matrix.py", "test_sharding.py", "test_tpu_compile.py",
+                 "test_gemma3_270m.py", "test_method_equivalence.py", "test_default_model.py", "test_sharding_gemma3.py",
+                 "test_multihost.py", "test_bf16.py", "test_sharding_vlm.py", "test_gemma3_methods.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -256,6 +256,31 @@ def tiny_model(tiny_checkpoints):
 
     directory, _ = tiny_checkpoints("llama-gqa")
     return popjax.load(directory, cache=False)
+
+
+def hf_model_from_gguf(path: Path):
+    """transformers' model (fp32, eval mode) of a GGUF file, read by transformers and the ``gguf``
+    package as a user's would be. The file is parsed once: transformers opens a `gguf.GGUFReader`
+    for the config and another for the weights, and each parses every metadata field in Python
+    (Gemma 3's 262k-entry vocabulary: 18 s a parse here), so the two share one reader."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    readers: dict[str, object] = {}
+    plain = gguf.GGUFReader
+
+    def shared(file, *args, **kwargs):
+        key = str(file)
+        if key not in readers:
+            readers[key] = plain(file, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared  # transformers imports it from the package inside its loader
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader = plain
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:

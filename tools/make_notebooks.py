@@ -69,10 +69,10 @@ else:
     from popjax.analysis.tpu_report import format_report
 
     try:
-        # small (the tests): POP alone, no dense baseline (each method is two TPU compiles)
+        # small (the tests): POP's decode step alone, no dense baseline, no prefill (each is a TPU compile)
         methods = ["pop"] if SMALL else ["pop", "static"]
-        report = tpu_compile(params.config, "v5e:1x1", methods, [0.4], context=256 if SMALL else 2048, decode_loop=False,
-                             with_dense=not SMALL)
+        report = tpu_compile(params.config, "v5e:1x1", methods, [0.4], context=64 if SMALL else 2048, decode_loop=False,
+                             with_dense=not SMALL, prefill=not SMALL)
     except ImportError as err:  # no libtpu: say which extra brings it
         print(err)
     else:

@@ -100,13 +100,15 @@ def _cost(compiled) -> dict[str, float]:
 
 
 def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: int, dtype: str, scan_layers: bool,
-             decode_loop: bool = True, data: Any = None) -> dict[str, Any]:
+             decode_loop: bool = True, data: Any = None, prefill: bool = True) -> dict[str, Any]:
     """Compiles the engine's programs against abstract sharded params (no weights): ``start``,
     ``decode_loop`` (unless ``decode_loop=False``) and ``stream_step``; returns them with the
     abstract ``params``, the decode ``carry`` (ShapeDtypeStructs in XLA's shardings) and each
     program's compile ``seconds``. ``data``: an offline method's calibrated data, abstract
     (`popjax.analysis.shape_fitted.abstract_data`). The mesh's devices may be another platform's
-    (a TPU topology: `popjax.analysis.tpu_compile`)."""
+    (a TPU topology: `popjax.analysis.tpu_compile`). ``prefill=False`` (a one-device mesh only,
+    where every sharding is that device) lowers ``start`` for the carry's shapes without
+    compiling it."""
     build = abstract_scanned_model if scan_layers else abstract_model  # shapes only, no weights
     graphdef, _ = nnx.split(build(cfg, jnp.dtype(dtype)))
     params = sharding.abstract_params(cfg, mesh, dtype, scan_layers=scan_layers)
@@ -127,9 +129,16 @@ def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: in
     with jax.set_mesh(mesh):
         lowered = engine.start.lower(graphdef, params, plan, tokens, tokens, key, sampling, stops, scalar(jnp.int32),
                                      capacity=capacity, data=data)
-        compile_("start", lowered)
+        if prefill:
+            compile_("start", lowered)
+            shardings = out["start"].output_shardings[0]
+        elif mesh.devices.size == 1:
+            shardings = jax.tree_util.tree_map(lambda _: replicated, lowered.out_info[0])
+        else:
+            raise ValueError(f"prefill=False needs a mesh of one device (the carry's shardings come from the prefill's "
+                             f"compile); this mesh has {mesh.devices.size}")
         # the carry as decode receives it: start's output shapes in the shardings XLA gave them
-        carry = out["carry"] = _with_shardings(lowered.out_info[0], out["start"].output_shardings[0])
+        carry = out["carry"] = _with_shardings(lowered.out_info[0], shardings)
         if decode_loop:
             compile_("loop", engine.decode_loop.lower(graphdef, params, plan, carry, scalar(jnp.int32), sampling, stops,
                                                       scalar(jnp.int32), capacity=capacity, data=data))

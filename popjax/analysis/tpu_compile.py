@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from .. import engine, sharding
+from .. import engine, kernels, sharding
 from ..convert.readers import gguf_config, open_gguf
 from ..files import write_json_atomic
 from ..methods import Method, method_label, sweep
@@ -95,11 +95,18 @@ def _extrapolated_step_cost(cfg: ModelConfig, mesh, method: Method, batch: int, 
         small = _with_layers(cfg, n)
         fitted = shape_fitted(method, small)
         data = abstract_data(fitted, small, dtype, _replicated(mesh))
-        costs.append(step_cost(_compile(small, mesh, fitted.bind(small), batch, prompt, capacity, dtype, False,
+        costs.append(step_cost(_compile(small, mesh, _bind_for_tpu(fitted, small, mesh), batch, prompt, capacity, dtype, False,
                                     decode_loop=False, data=data)["step"]))
     one, two = costs
     return {k: None if one[k] is None or two[k] is None else one[k] + (cfg.num_hidden_layers - 1) * (two[k] - one[k])
             for k in one}
+
+
+def _bind_for_tpu(method: Method, cfg: ModelConfig, mesh):
+    """``method``'s plan with the TPU's kernels, not this host's (`kernels.compiling_for`):
+    "auto" is the Pallas (Mosaic) kernel, run by every device of a mesh (`kernels.decode_ffn`)."""
+    with kernels.compiling_for("tpu"):
+        return method.bind(cfg)
 
 
 @contextlib.contextmanager
@@ -131,19 +138,20 @@ def ideal_bytes(cfg: ModelConfig, plan, batch: int, slots: int, itemsize: int, m
 
 def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *, batch: int, prompt: int,
                    capacity: int, dtype: str, scan_layers: bool = False, decode_loop: bool = True,
-                   hlo_dir: str | Path | None = None) -> dict[str, Any]:
+                   prefill: bool = True, hlo_dir: str | Path | None = None) -> dict[str, Any]:
     """One method's programs compiled for ``topology`` on ``mesh`` -> its JSON-ready record
     (``hlo_dir``: write the optimized HLO of its decode step there, ``<label>-<ratio>.step.hlo.txt``)."""
     fitted = shape_fitted(method, cfg)
-    plan = fitted.bind(cfg)
+    plan = _bind_for_tpu(fitted, cfg, mesh)
     data = abstract_data(fitted, cfg, dtype, _replicated(mesh))
     hbm, label = topology.hbm_per_device, method_label(method, exclude=("ratio",))
     ratio = method.reported()["ratio"]
-    # what the decode step's selected rows ran through (`popjax.kernels.RESOLVED`; bound on this host)
+    # what the decode step's selected rows run through on the TPU (`popjax.kernels.RESOLVED`)
     head = {"method": label, "name": method.name, "ratio": ratio, "plan": type(plan).__name__, "kernel": getattr(plan, "kernel", "xla")}
     try:
         with _no_persistent_cache():
-            out = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, decode_loop=decode_loop, data=data)
+            out = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, decode_loop=decode_loop, data=data,
+                           prefill=prefill)
             cost = step_cost(out["step"])
             if scan_layers:
                 cost = dict(_extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype),
@@ -177,7 +185,7 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
 def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Sequence[str] = ("dense",),
                 ratios: Sequence[float] = (0.4,), *, weights: str = "float", dtype: str = "bfloat16", batch: int = 1,
                 context: int = 1024, prompt: int | None = None, mesh: tuple[int, int] | None = None,
-                scan_layers: bool = False, decode_loop: bool = True, require_fit: bool = False,
+                scan_layers: bool = False, decode_loop: bool = True, prefill: bool = True, require_fit: bool = False,
                 with_dense: bool = True, hlo_dir: str | Path | None = None, jobs: int = 1) -> dict[str, Any]:
     """Compiles every (method spec, ratio) of ``methods`` × ``ratios`` and dense for a TPU slice
     -> a JSON-ready report: the target, the shapes, one record per method (`compile_method`) with
@@ -187,7 +195,9 @@ def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Se
     ``"prefill-only+pop"``); ``weights``: "float" or "int8"; ``context``: the KV capacity
     (prompt + generated); ``prompt``: the prefill length (default half the context, at least
     context − 4096), padded to the engine's prompt bucket; ``mesh``: (data, model), default
-    (1, devices); ``decode_loop``: also compile the decode loop; ``require_fit``: ValueError
+    (1, devices); ``decode_loop``: also compile the decode loop; ``prefill``: also compile the
+    prefill (False, on a one-device mesh only: the decode step alone, what a sweep over many
+    methods needs; the prefill is still lowered for the carry's shapes); ``require_fit``: ValueError
     when a program's per-device peak exceeds the chip's HBM; ``with_dense``: compile dense as
     the baseline of the ``vs_dense`` ratios (without it no record has them); ``jobs``: compile
     that many methods at once, each in its own process. Bad input raises ValueError (or
@@ -214,8 +224,11 @@ def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Se
     sharding.check_batch(batch, grid)
     methods_ = [dataclasses.replace(m, shards=grid.shape["model"])  # as POP.prepare does on a mesh
                 if getattr(m, "partition", None) == "per_shard" and m.shards is None else m for _, m in sweep_]
+    if not prefill and grid.devices.size != 1:
+        raise ValueError(f"prefill=False needs a mesh of one device (the carry's shardings come from the prefill's "
+                         f"compile); mesh {shape[0]}x{shape[1]} has {grid.devices.size}")
     shapes = dict(batch=batch, prompt=prompt_bucket, capacity=capacity, dtype=dtype, scan_layers=scan_layers,
-                  decode_loop=decode_loop, hlo_dir=hlo_dir)
+                  decode_loop=decode_loop, prefill=prefill, hlo_dir=hlo_dir)
     if jobs > 1 and len(methods_) > 1:  # XLA compiles one program on about one core: methods side by side
         spawn = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(methods_)), mp_context=spawn) as pool:

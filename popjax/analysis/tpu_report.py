@@ -45,7 +45,8 @@ def format_report(report: dict[str, Any]) -> str:
         vs = r.get("vs_dense")
         lines.append(
             f"{r['method'][:23]:<24}{r['ratio']:6.2f}{_gib(a['weights']):>8}{_gib(a['kv_cache']):>8}{_gib(a['method_state']):>8}"
-            f"{_gib(decode['peak']):>8}{_gib(progs['prefill']['peak']):>8}  {'yes ' if r['fits'] else 'NO  '}"
+            f"{_gib(decode['peak']):>8}{_gib(progs['prefill']['peak']) if 'prefill' in progs else 'n/c':>8}"
+            f"  {'yes ' if r['fits'] else 'NO  '}"
             f"{step['bytes_accessed'] / GiB:9.3f}{step['ideal_bytes_per_device'] / GiB:8.3f}"
             f"{step['estimated_tokens_per_s']:10.1f}"
             + (f"{vs['estimated_speedup']:8.2f}x{vs['ideal_speedup']:7.2f}x" if vs else f"{'':>9}{'':>8}")
@@ -53,7 +54,7 @@ def format_report(report: dict[str, Any]) -> str:
             + (f"{vs['xla_estimated_speedup']:6.2f}x" if vs and vs.get("xla_estimated_speedup") else f"{'':>7}")
             + f"{sum(p['compile_seconds'] for p in progs.values()):10.1f}"
         )
-    lines.append("decode/prefill: peak per device (arguments + outputs - aliased + temps + code); step GiB: bytes "
+    lines.append("decode/prefill: peak per device (arguments + outputs - aliased + temps + code; n/c: not compiled); step GiB: bytes "
                  "accessed per device per decode step (XLA:TPU cost analysis"
                  + (", unrolled 1- and 2-layer steps extrapolated" if report["scan_layers"] else "")
                  + "); ideal: the analytic bytes; vs dense / ideal x: estimated speed-up over dense, compiler / ideal "

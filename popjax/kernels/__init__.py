@@ -18,6 +18,10 @@ This package imports nothing else of popjax: it is the bottom layer of the impor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import jax
 
 KERNELS = ("auto", "xla", "pallas")  # what a method's ``kernel`` hyper-parameter takes
@@ -25,15 +29,30 @@ KERNELS = ("auto", "xla", "pallas")  # what a method's ``kernel`` hyper-paramete
 # runs the TPU kernels in Pallas' interpret mode (a CPU, when "pallas" is forced: the tests)
 RESOLVED = ("xla", "pallas-tpu", "pallas-gpu", "pallas-interpret")
 _PALLAS_BACKENDS = {"tpu": "pallas-tpu", "gpu": "pallas-gpu", "cuda": "pallas-gpu"}
+# the platform programs are being compiled for, where it is not JAX's own backend (`compiling_for`)
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("popjax_kernel_target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(backend: str) -> Iterator[None]:
+    """Within the block, `choose` resolves for ``backend`` ("tpu", "gpu", "cpu") instead of JAX's
+    default backend: programs compiled from this machine for another platform (`popjax compile`:
+    a TPU slice's programs from a CPU) bind that platform's kernels."""
+    token = _TARGET.set(backend)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def choose(kernel: str, backend: str | None = None) -> str:
-    """``kernel`` ("auto", "xla" or "pallas") -> one of `RESOLVED` for ``backend`` (default:
-    ``jax.default_backend()``): "auto" is Pallas on TPU and GPU and XLA elsewhere; "pallas" on
-    a platform without a compiled kernel (a CPU) is interpret mode. ValueError on another value."""
+    """``kernel`` ("auto", "xla" or "pallas") -> one of `RESOLVED` for ``backend`` (default: the
+    `compiling_for` target, else ``jax.default_backend()``): "auto" is Pallas on TPU and GPU and
+    XLA elsewhere; "pallas" on a platform without a compiled kernel (a CPU) is interpret mode.
+    ValueError on another value."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
-    backend = backend or jax.default_backend()
+    backend = backend or _TARGET.get() or jax.default_backend()
     if kernel == "xla" or (kernel == "auto" and backend not in _PALLAS_BACKENDS):
         return "xla"
     return _PALLAS_BACKENDS.get(backend, "pallas-interpret")

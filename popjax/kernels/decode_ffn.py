@@ -3,11 +3,18 @@ what a method's plan calls, so that the plan names no platform.
 
 "pallas-tpu" runs the Mosaic kernels (`matvec_tpu`), "pallas-interpret" the same kernels in
 Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`).
+
+On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
+``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
+(`popjax.sharding.take_replicated`), so each device reads the m selected rows, as XLA's gather
+of that replicated copy does, and holds the whole result. A Pallas call outside ``shard_map``
+would leave XLA's partitioner to guess how to split an opaque custom call.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec
 
 from . import RESOLVED, ffn_gpu, matvec_tpu
 from .ffn_layout import InputRows
@@ -18,7 +25,19 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     contract) with W as `ffn_layout.InputRows` [k, L, 128], x [B, k], by the Pallas ``kernel``
     (one of `RESOLVED` but "xla"); ValueError naming any other value."""
     if kernel == "pallas-gpu":
-        return ffn_gpu.gather_matvec(x, rows, ids, out_features=out_features)
-    if kernel in ("pallas-tpu", "pallas-interpret"):
-        return matvec_tpu.gather_matvec(x, rows, ids, out_features=out_features, interpret=kernel == "pallas-interpret")
-    raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+        call = lambda x, rows, ids: ffn_gpu.gather_matvec(x, rows, ids, out_features=out_features)  # noqa: E731
+    elif kernel in ("pallas-tpu", "pallas-interpret"):
+        interpret = kernel == "pallas-interpret"
+        call = lambda x, rows, ids: matvec_tpu.gather_matvec(x, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
+    else:
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(call)(x, rows, ids)
+
+
+def per_device(call):
+    """``call`` as is without a mesh (or on one device); on a mesh of several, run by every device
+    on its replicated operands (``shard_map``, replicated in and out: the module docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return call
+    return jax.shard_map(call, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False)

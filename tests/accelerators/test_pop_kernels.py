@@ -119,19 +119,27 @@ def test_choose(kernel, backend, resolved):
     assert kernels.choose(kernel, backend) == resolved
 
 
+def test_compiling_for_another_platform_binds_its_kernels(tiny_model):
+    """`kernels.compiling_for` (popjax compile: a TPU's programs from this CPU) resolves for the
+    target; outside the block, this host's backend again."""
+    with kernels.compiling_for("tpu"):
+        assert popjax.POP(ratio=0.4).bind(tiny_model.config).kernel == "pallas-tpu"
+        assert kernels.choose("pallas") == "pallas-tpu" and kernels.choose("auto", "cpu") == "xla"
+    assert kernels.choose("auto") == "xla" and kernels.choose("pallas") == "pallas-interpret"
+
+
 def test_auto_is_xla_where_no_kernel_is_wired():
     """weights="gather" and partition="per_shard" have no kernel wiring: "auto" is XLA there."""
     assert popjax.POP(ratio=0.4, weights="gather").resolved_kernel() == "xla"
     assert popjax.POP(ratio=0.4, partition="per_shard", shards=2).resolved_kernel() == "xla"
 
 
-def test_mesh_is_xla():
-    """On a mesh the kernels do not run per shard yet: "auto" prepares to XLA, "pallas" is refused."""
+def test_a_sharded_model_keeps_the_kernel():
+    """POP.prepare leaves ``kernel`` alone on a mesh: every device runs the kernel on its
+    replicated candidate rows (tests/scale/test_sharding.py runs it on 8 devices)."""
     sharded = SimpleNamespace(mesh=object())  # what POP.prepare reads of a sharded model
-    assert popjax.POP(ratio=0.4).prepare(sharded).kernel == "xla"
-    with pytest.raises(MethodError, match="kernel='pallas' does not run on a mesh yet"):
-        popjax.POP(ratio=0.4, kernel="pallas").prepare(sharded)
-    assert popjax.POP(ratio=0.4, kernel="pallas").prepare(SimpleNamespace(mesh=None)).kernel == "pallas"
+    assert popjax.POP(ratio=0.4).prepare(sharded).kernel == "auto"
+    assert popjax.POP(ratio=0.4, kernel="pallas").prepare(sharded).kernel == "pallas"
 
 
 def test_bytes_say_what_the_kernel_reads(tiny_model):

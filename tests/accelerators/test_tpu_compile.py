@@ -45,6 +45,7 @@ FAMILIES = {
 }
 CORE = ("pop", "static", "teal")  # online, offline-selection and calibrated-data methods (dense: the baseline)
 SHAPES = dict(batch=1, context=64, decode_loop=False)  # prompt bucket 32, 32 new tokens
+MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'  # a Pallas kernel in an XLA:TPU program
 
 
 def config(family: str = "llama", **overrides) -> ModelConfig:
@@ -73,9 +74,9 @@ def _check_record(record: dict, report: dict) -> None:
     assert step["xla_estimated_tokens_per_s"] == pytest.approx(report["batch"] / step["optimal_seconds"])
 
 
-def test_core_methods_compile_for_a_v5e_slice():
+def test_core_methods_compile_for_a_v5e_slice(tmp_path):
     cfg = config()
-    report = tpu_compile(cfg, "v5e:2x2", CORE, [0.4], mesh=(1, 4), **SHAPES)
+    report = tpu_compile(cfg, "v5e:2x2", CORE, [0.4], mesh=(1, 4), hlo_dir=tmp_path, **SHAPES)
     assert report["jax_backend"] == "cpu"  # compiling for TPU left JAX on its CPU backend
     assert report["topology"] == {"name": "v5e:2x2", "chip": "v5e", "chips": 4, "devices": 4, "processes": 1,
                                   "hbm_per_device": 16 * GiB, "hbm_bandwidth_per_device": 819e9}
@@ -93,19 +94,26 @@ def test_core_methods_compile_for_a_v5e_slice():
         assert records[name]["vs_dense"]["ideal_bytes"] < 1.0, name
     assert records["dense"]["vs_dense"]["estimated_speedup"] == 1.0
     assert records["pop"]["arguments"]["method_state"] > 0  # POP's partition state travels with the carry
+    # "auto" bound for the TPU: the Mosaic kernel, a custom call per layer inside the shard_map every device runs
+    assert records["pop"]["kernel"] == "pallas-tpu"
+    assert (tmp_path / "pop-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == cfg.num_hidden_layers
     table = format_report(report)
     assert "est tok/s" in table and "estimate" in table and "teal" in table
 
 
-@pytest.mark.slow  # every registry method: ~2 TPU compiles each (about 1-2 min on 2 cores)
+@pytest.mark.slow  # every registry method: one TPU compile each (about 20 s on 2 cores)
 def test_every_registry_method_compiles_its_decode_step():
+    """Every method's decode step (its prefill lowered for the carry, not compiled: the core
+    methods' prefills compile above and in the family test), on one v5e chip."""
     specs = sorted(set(METHODS) - {"dense", "prefill-only", *CORE}) + ["prefill-only+pop:skip=1",
                                                                           "prefill-only:kv=calibrated:skip=1"]
-    report = tpu_compile(config(), "v5e:2x2", specs, [0.3], mesh=(1, 4), with_dense=False, **SHAPES)
+    report = tpu_compile(config(), "v5e:1x1", specs, [0.3], with_dense=False, prefill=False, **SHAPES)
     names = {r["name"] for r in report["records"]}
     assert names | {"dense", *CORE} >= set(METHODS), sorted(set(METHODS) - names - {"dense", *CORE})
     for record in report["records"]:
+        assert set(record["programs"]) == {"decode_step"}
         _check_record(record, report)
+    assert format_report(report).splitlines()[3].split()[6] == "n/c"  # the prefill column: not compiled
 
 
 @pytest.mark.parametrize("family, weights, mesh, scan", [
@@ -129,6 +137,17 @@ def test_every_family_compiles(family, weights, mesh, scan):
     if scan:  # XLA counts the layer loop's body once: the step cost is the 1- and 2-layer extrapolation
         step = record["decode_step"]
         assert step["scan_body_bytes_accessed"] < step["bytes_accessed"]
+
+
+def test_pop_compiles_with_the_mosaic_kernel_on_one_chip(tmp_path):
+    """POP's "auto" kernel is bound for the TPU, not for this CPU host: the decode step XLA:TPU
+    compiles calls the Pallas kernel (a Mosaic custom call per layer), and "xla" calls none."""
+    report = tpu_compile(config(), "v5e:1x1", ["pop", "pop:kernel=xla"], [0.4], with_dense=False, hlo_dir=tmp_path, **SHAPES)
+    assert {r["method"]: r["kernel"] for r in report["records"]} == {"pop": "pallas-tpu", "pop(kernel=xla)": "xla"}
+    for record in report["records"]:
+        _check_record(record, report)
+    assert (tmp_path / "pop-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == 2
+    assert (tmp_path / "pop(kernel=xla)-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == 0
 
 
 def test_v5p_and_v4_slices_resolve_with_their_chips():
@@ -167,6 +186,8 @@ def test_bad_input_fails_in_one_line(monkeypatch):
         tpu_compile(config(), "v5e:2x2", [], mesh=(2, 4), **SHAPES)
     with pytest.raises(ValueError, match=r"weights='int4' must be 'float' or 'int8'"):
         tpu_compile(config(), "v5e:2x2", [], weights="int4", **SHAPES)
+    with pytest.raises(ValueError, match=r"prefill=False needs a mesh of one device .*mesh 1x4 has 4"):
+        tpu_compile(config(), "v5e:2x2", [], prefill=False, **SHAPES)
     monkeypatch.setitem(sys.modules, "libtpu", None)  # as if not installed: the error names the extra
     with pytest.raises(LibTPUMissing, match=r'pip install -e "\.\[tpu\]"'):
         resolve_topology("v5e:2x2")

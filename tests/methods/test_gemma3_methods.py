@@ -4,17 +4,15 @@ depends on the architecture (the float64 `RefGemma3` of tests/gemma3_reference.p
 
 * POP, GRIFFIN, CATS (calibrated: its thresholds are quantiles of |gelu(x W_g)|) through the
   engine equal their NumPy references: partitions, importances, selections, logits.
-* The registry sweep: every registered method runs on the tiny Gemma 3, unrolled and scanned
-  (methods with a per-layer prefill schedule are refused by the scan, as tests/models/test_scan.py
-  checks), prompts longer than the window, finite log-probabilities; scanned equals unrolled.
+* Every registered method runs on the tiny Gemma 3 (prompts longer than the window), and some
+  int8 and scanned, in tests/methods/test_method_matrix.py.
 * Prefill-Only + POP skipping both sliding layers equals the reference (rings, partitions built
   from the boundary token, selections, logits). Prefill-Only's own checks and the calibrations
   that walk the layers are in tests/methods/test_gemma3_prefill_only.py.
 
-Compiles are what this file spends its time on, so the sweep runs every method in ONE program
-per layout (`run_all`: each plan's teacher-forced decode steps after its prefill, plus the prefill
-outputs the references read), and the POP, GRIFFIN, CATS and Prefill-Only + POP references
-compare against those very results.
+Compiles are what this file spends its time on, so the four referenced methods run in ONE
+program (`run_all`: each plan's teacher-forced decode steps after its prefill, plus the prefill
+outputs the references read), and the references compare against those very results.
 """
 
 from __future__ import annotations
@@ -29,36 +27,24 @@ import torch
 
 from popjax import engine
 from popjax.requests import pad_batch
-from popjax.methods import METHODS, make_method
 from tests.reference import ref_gate, ref_sizes, silu
 from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP, SKIP, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data
 from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
-
-
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")
+from tests.methods.test_method_matrix import ready as ready_method
 
 
 @pytest.fixture(scope="module")
 def ready(gemma):
-    """name -> the registered method ready for the sweep model (memoised): calibrated on a tiny
-    corpus where it needs one; prefill-only composed with POP, skipping both sliding layers (their
-    POP states come from the boundary token); a small SVD rank."""
+    """name -> the registered method ready for the sweep model (memoised, as the method matrix
+    readies it: prefill-only skips both sliding layers, their POP states from the boundary token).
+    The NumPy references implement one selection per batch: POP, GRIFFIN and Prefill-Only run it."""
     model, _, _ = gemma(SWEEP_MODEL)
     cache = {}
 
     def get(name):
         if name not in cache:
-            # the NumPy references implement one selection per batch: those methods run it explicitly
             shared = {"aggregate": "shared"} if name in ("pop", "griffin", "prefill-only") else {}
-            if name == "prefill-only":
-                method = make_method("prefill-only+pop", skip=SKIP, **shared)
-            else:
-                method = make_method(name, **shared, **({"rank": 8} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
-            if name in CALIBRATED:
-                method = method.calibrate(model, calibration_corpus())
-            elif name == "pop-bands":
-                method = method.prepare(model, corpus=calibration_corpus())
-            cache[name] = method.prepare(model)
+            cache[name] = ready_method(name, "gemma3", model, **shared)
         return cache[name]
 
     return get
@@ -66,6 +52,7 @@ def ready(gemma):
 
 # the methods whose prefill outputs (caches, partitions, importances) the references read
 PREFILL_OUTPUTS = ("pop", "prefill-only")
+REFERENCED = ("pop", "griffin", "cats", "prefill-only")  # the methods with a NumPy reference below
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plans", "with_prefill"))
@@ -88,23 +75,17 @@ def run_all(graphdef, params, plans, tokens, mask, targets, data, with_prefill):
 
 @pytest.fixture(scope="module")
 def sweep(gemma, ready):
-    """name -> {"unrolled": run_all's results, "scanned": the scanned model's (absent for a plan
-    with a per-layer prefill schedule, which a scan cannot run)} for every registered method."""
-    unrolled, scanned, _ = gemma(SWEEP_MODEL)
-    prompts, targets = sweep_data(unrolled.config.vocab_size)
+    """name -> {"unrolled": run_all's results} for each method a reference below reads."""
+    model, _, _ = gemma(SWEEP_MODEL)
+    prompts, targets = sweep_data(model.config.vocab_size)
     tokens, mask = pad_batch(prompts, 0)
     args = (jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(targets))
-    L = unrolled.config.num_hidden_layers
-    methods = {name: ready(name) for name in sorted(METHODS)}
-    results = {name: {} for name in methods}
-    for layout, model in (("unrolled", unrolled), ("scanned", scanned)):
-        names = [n for n, m in methods.items() if layout == "unrolled" or m.bind(model.config).layer_control(L) is None]
-        plans = tuple(methods[n].bind(model.config) for n in names)
-        data = tuple(methods[n].data(model) for n in names)
-        with_prefill = tuple(n in PREFILL_OUTPUTS for n in names)
-        for name, result in zip(names, jax.device_get(run_all(model.graphdef, model.params, plans, *args, data, with_prefill))):
-            results[name][layout] = result
-    return results
+    names = REFERENCED
+    plans = tuple(ready(n).bind(model.config) for n in names)
+    data = tuple(ready(n).data(model) for n in names)
+    with_prefill = tuple(n in PREFILL_OUTPUTS for n in names)
+    results = jax.device_get(run_all(model.graphdef, model.params, plans, *args, data, with_prefill))
+    return {name: {"unrolled": result} for name, result in zip(names, results)}
 
 
 # ------------------------------------------------------------------ the reference itself
@@ -139,7 +120,7 @@ def _assert_partition(state, importance, pop, l):
     np.testing.assert_allclose(np.asarray(importance), pop.aux[l], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
+@pytest.mark.slow  # one program of the four referenced methods
 def test_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     """POP (shared): each layer's partition R/C and importance from the prompts (padding
     excluded), the log-probabilities of the prompt's last token and of every decode step, and
@@ -160,7 +141,7 @@ def test_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     np.testing.assert_allclose(logp, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
+@pytest.mark.slow  # one program of the four referenced methods
 @pytest.mark.parametrize("name", ["griffin", "cats"])
 def test_activation_scored_baselines_on_gemma3_match_the_numpy_references(gemma, ready, sweep, name):
     """GRIFFIN (GeGLU activations normalised per token rank the channels) and CATS (calibrated
@@ -198,41 +179,10 @@ def test_cats_thresholds_are_quantiles_of_the_gelu_gate(gemma, ready):
         assert abs(t / np.quantile(np.abs(silu(inputs[l] @ ref.W[l]["gate"])), s) - 1) > 0.03
 
 
-# ------------------------------------------------------------------ the registry
+# ------------------------------------------------------------------ Prefill-Only + POP
 
 
-@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_every_method_runs_on_gemma3_unrolled_and_scanned(gemma, ready, sweep, name):
-    """Prefill of prompts longer than the window, then six tokens fed through the decode path
-    (the engine's own step: every sliding layer's ring wraps): finite log-probabilities. The
-    scanned model gives the unrolled one's log-probabilities and selections (and POP's partitions);
-    a method with a per-layer prefill schedule (Prefill-Only Pruning) is refused there in one line."""
-    unrolled, scanned, _ = gemma(SWEEP_MODEL)
-    got = sweep[name]
-    logp = got["unrolled"]["logp"]
-    assert logp.shape == (2, N_TARGETS, unrolled.config.vocab_size) and np.all(np.isfinite(logp))
-    if "scanned" not in got:
-        method = ready(name)
-        plan = method.bind(scanned.config)
-        assert plan.layer_control(scanned.config.num_hidden_layers) is not None
-        prompts, targets = sweep_data(unrolled.config.vocab_size)
-        tokens, mask = pad_batch(prompts, 0)
-        with pytest.raises(ValueError, match=r"a layer control that treats layers differently.*unrolled model"):
-            engine.teacher_force(scanned.graphdef, scanned.params, plan, jnp.asarray(tokens), jnp.asarray(mask),
-                                 jnp.asarray(targets), data=method.data(scanned))
-        return
-    np.testing.assert_allclose(got["scanned"]["logp"], logp, atol=2e-5, rtol=0)
-    assert got["scanned"]["records"].keys() == got["unrolled"]["records"].keys()
-    for key, value in got["unrolled"]["records"].items():  # chosen channel sets (their order follows near-tied scores)
-        np.testing.assert_array_equal(np.sort(got["scanned"]["records"][key], -1), np.sort(value, -1))
-    if "states" in got["unrolled"]:  # the unrolled model's states are a tuple over layers, the scanned model's stacked
-        stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *got["unrolled"]["states"])
-        for a, b in zip(jax.tree_util.tree_leaves(got["scanned"]["states"]), jax.tree_util.tree_leaves(stacked), strict=True):
-            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=2e-5, rtol=0)
-
-
-@pytest.mark.slow  # the registry sweep: two programs of every method (~40 s)
+@pytest.mark.slow  # one program of the four referenced methods
 def test_prefill_only_with_pop_on_gemma3_matches_the_numpy_reference(gemma, ready, sweep):
     """The sweep's PrefillOnly(skip both sliding layers) + POP: the skipped layers' rings hold the
     independent K/V of their last window of prompt tokens (layer 2's input: the full layer 1's

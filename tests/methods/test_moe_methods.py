@@ -1,7 +1,7 @@
-"""Every FFN-pruning method on mixture-of-experts models (issue 14; docs/moe.md): a sweep of the
-registry over tiny random Qwen3-MoE and Qwen2-MoE models, traces on a model that mixes dense and
-MoE layers, per-expert calibration statistics against NumPy loops over the tokens the router sent
-to each expert, and per-block calibrated constants used at run time."""
+"""FFN-pruning methods on mixture-of-experts models (issue 14; docs/moe.md): generation on tiny
+random Qwen3-MoE and Qwen2-MoE models, traces on a model that mixes dense and MoE layers, per-expert calibration statistics against NumPy loops over the tokens the router sent
+to each expert, and per-block calibrated constants used at run time. Every registered method runs
+on the mixed model in tests/methods/test_method_matrix.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from popjax import calibration, engine
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.calibration import Corpus, Statistic, calibrate, collect
 from popjax.convert import convert as conv
-from popjax.requests import pad_batch
 from popjax.loading import build_model
-from popjax.methods import METHODS, MethodError, make_method
+from popjax.methods import MethodError, make_method
 from popjax.methods.flap import ActivationMoments, flap_selection, layer_floor
 from popjax.methods.pop.layer_bands import BandDrift
 from popjax.methods.teal import AbsHistograms, Thresholds, block_quantiles, thresholds_data
@@ -64,55 +63,23 @@ def _corpus(windows: int = 6, window: int = 16) -> Corpus:
     return Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 64, windows * window), window=window)
 
 
-# ---------------------------------------------------------------- the registry on MoE models
-
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")
-
+# ---------------------------------------------------------------- methods ready for the mixed model
 
 @pytest.fixture(scope="module")
 def ready(models):
-    """name -> the registered method ready for the mixed Qwen2-MoE model (memoised): calibrated
-    on a tiny corpus where it needs one; prefill-only composed with POP, skipping the MoE layer
-    in prefill (its experts' states come from the boundary token); a small SVD rank."""
+    """name -> the registered method ready for the mixed Qwen2-MoE model (memoised, as the method
+    matrix readies it: prefill-only skips the MoE layer, its experts' states from the boundary token)."""
+    from tests.methods.test_method_matrix import ready as ready_method  # (that module imports this one's configs)
+
     model, _ = models("qwen2_moe")
     cache = {}
 
     def get(name):
         if name not in cache:
-            if name == "prefill-only":
-                method = make_method("prefill-only+pop", skip=(0,))
-            else:
-                method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
-            if name in CALIBRATED:
-                method = method.calibrate(model, _corpus())
-            elif name == "pop-bands":
-                method = method.prepare(model, corpus=_corpus())
-            cache[name] = method.prepare(model)
+            cache[name] = ready_method(name, "moe", model)
         return cache[name]
 
     return get
-
-
-@pytest.mark.parametrize("name", sorted(set(METHODS) - {"pop"}))  # POP: generate with a trace, below
-def test_every_method_runs_per_expert(name, models, ready):
-    """Prefill, then three tokens fed one at a time through the decode path (the engine's own
-    step, one compiled program: generation's compile time halved), on the model whose layers
-    mix routed experts + a shared expert with a dense layer; the per-block aux of every step is
-    stacked over those layers (padded). Batch of two: 4 routed slots of 8 experts, so decode
-    gathers the routed experts."""
-    model, _ = models("qwen2_moe")
-    tokens, mask = pad_batch(PROMPTS["qwen2_moe"], 0)
-    method = ready(name)
-    plan = method.bind(model.config)
-    targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
-    nll, _, rec = engine.teacher_force(model.graphdef, model.params, plan, jnp.asarray(tokens), jnp.asarray(mask), targets,
-                                       record=("experts", "shared", "router_topk"), data=method.data(model))
-    assert np.all(np.isfinite(np.asarray(nll)))
-    assert rec["router_topk"].shape == (3, 2, 2, 1, 2)  # [N, L, B, 1, k]; the dense layer's are zeros
-    assert not np.any(rec["router_topk"][:, 1])
-    for kind, n in (("experts", 8), ("shared", 3)):
-        for leaf in jax.tree_util.tree_leaves(rec.get(kind, {})):
-            assert leaf.shape[:3] == (3, 2, n), (kind, leaf.shape)  # [N, L, blocks, ...]
 
 
 def test_generate_on_qwen3_moe_with_per_expert_constants(models):

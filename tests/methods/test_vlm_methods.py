@@ -1,7 +1,7 @@
 """Pruning methods on a vision-language model: POP's partition of an image+text prompt for each
 choice of scoring tokens (all, text, image, balanced) against a NumPy reference built from
-transformers' own FFN inputs, the fallbacks of a choice whose tokens are absent, and every
-registered method running on a VLM prompt with an image."""
+transformers' own FFN inputs, and the fallbacks of a choice whose tokens are absent (every
+registered method runs on a VLM prompt with an image in tests/methods/test_method_matrix.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import popjax
-from popjax.corpus import Corpus
-from popjax.methods import METHODS, MethodError, make_method
+from popjax.methods import MethodError
 from popjax.methods.prompt_tokens import PROMPT_TOKENS
 from tests.models.test_vlm import IMAGE, _hf_model, digit, expanded, left_padded
 
@@ -108,23 +107,3 @@ def test_prompt_tokens_errors():
         popjax.POP(0.2, prompt_tokens="video")
     with pytest.raises(MethodError, match="applies to partition='global' only"):
         popjax.POP(0.2, prompt_tokens="text", partition="per_shard")
-
-
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_every_method_runs_on_an_image_prompt(pair, name):
-    """Every registered method generates after an image+text prompt (in a batch with a text-only
-    row); the calibrating ones calibrate on the VLM's language model (random text ids: the tiny
-    model has no tokenizer)."""
-    _, model = pair
-    method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
-    if name == "prefill-only":
-        method = make_method("prefill-only+pop", skip=(1,))
-    corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 90, 6 * 16), window=16)
-    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal"):  # statistics over a corpus
-        method = method.calibrate(model, corpus, cache=False)
-    elif name == "pop-bands":  # its drift, measured on the corpus
-        method = method.prepare(model, corpus=corpus)
-    rows, images = zip(expanded([[5, 6], digit(2, (56, 56)), [7, 8]]), expanded([[9, 10, 11]]))
-    out, _ = popjax.generate_ids(model, list(rows), max_new_tokens=3, images=list(images), method=method.prepare(model),
-                                 ignore_eos=True)
-    assert [len(o) for o in out] == [3, 3]

@@ -8,6 +8,7 @@ import torch
 import popjax
 from popjax import cache, loading
 from popjax.convert import default_gguf_path
+from tests.conftest import hf_model_from_gguf
 
 pytestmark = pytest.mark.slow  # the real default model
 
@@ -25,10 +26,7 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def hf_default_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_model_from_gguf(default_gguf_path())
 
 
 @pytest.mark.real_model

@@ -16,6 +16,7 @@ import popjax
 from popjax import cache
 from popjax.convert import sources
 from popjax.data import DEV_PLAY, load_play
+from tests.conftest import hf_model_from_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -31,10 +32,7 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def hf_gemma():
-    from transformers import AutoModelForCausalLM
-
-    path = sources.gemma_3_270m_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_model_from_gguf(sources.gemma_3_270m_gguf_path())
 
 
 def test_the_gguf_is_one_checked_cache_entry(gemma):

@@ -1,7 +1,7 @@
 """Weight-only int8 (popjax/kernels/int8.py; `popjax.load(..., weights="int8")`): the quantized linear
 layer against NumPy, POP on int8 weights against the NumPy POP reference on the dequantized
-weights, an int8 model against the float model of its dequantized weights (every registered
-method, a MoE model, scanned layers), the converted store, and bad input."""
+weights, an int8 model against the float model of its dequantized weights (a MoE model, scanned layers;
+every registered method in tests/methods/test_method_matrix.py), the converted store, and bad input."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from flax import nnx
 import popjax
 from popjax import engine
 from popjax.convert import convert as conv
-from popjax.convert.fused import dequantize_tree
 from popjax.convert.readers import CheckpointError
 from popjax.requests import pad_batch
 from popjax.loaded import with_scanned_layers
-from popjax.loading import build_model, place_model
-from popjax.methods import METHODS, POPPlan, make_method
+from popjax.loading import build_model
+from popjax.methods import POPPlan, make_method
 from popjax.models import layers
 from popjax.kernels.int8 import TWO_PASS, Int8Weight, dot, quantize
 from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
+from tests.methods.test_method_matrix import dequantized_twin, ready
 from tests.methods.test_methods_reference import ref_pop_decode, ref_prefill
 
 ATOL = 1e-5
@@ -82,14 +82,6 @@ def test_pop_on_int8_weights_matches_reference_on_dequantized(f, n_keep, gamma):
             assert np.asarray(aux["selected"]).tolist() == selected
 
 
-def dequantized_twin(model):
-    """The float model whose weights are the int8 model's q · s (same config, weights "float")."""
-    tree = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
-    tree["layers"] = {str(k): v for k, v in tree["layers"].items()}
-    cfg = dataclasses.replace(model.config, weights="float")
-    return place_model(cfg, tree, model.tokenizer, "dequantized", "float32")
-
-
 @pytest.fixture(scope="module")
 def int8_pair(tiny_checkpoints):
     """(weight-only int8 model, its dequantized float twin) of the tiny llama-gqa checkpoint."""
@@ -115,38 +107,6 @@ def test_int8_model_equals_float_model_on_dequantized_weights(int8_pair):
     a, _ = popjax.generate_ids(model, prompts, 6, ignore_eos=True)
     b, _ = popjax.generate_ids(twin, prompts, 6, ignore_eos=True)
     assert a == b
-
-
-def _ready(name, model):
-    """A registered method ready for a tiny model (calibrated on random tokens where it needs it)."""
-    from popjax.calibration import Corpus
-
-    method = make_method(name, **({"rank": 4} if name == "pop-lowrank" else {"rank": 2} if name == "principal-teal" else {}))
-    if name == "prefill-only":
-        method = make_method("prefill-only+pop", skip=(1,))
-    corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, 160, 6 * 16), window=16)
-    if name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal"):  # statistics over a corpus (as tests/methods/test_moe_methods.py)
-        method = method.calibrate(model, corpus, cache=False)
-    elif name == "pop-bands":  # its drift, measured on the corpus
-        method = method.prepare(model, corpus=corpus)
-    return method.prepare(model)
-
-
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_every_method_on_int8_equals_it_on_dequantized(name, int8_pair):
-    """Each registered method, teacher-forced through prefill and 3 decode steps on the int8
-    model, gives the log-probabilities it gives on the dequantized float model (1e-4: the same
-    selections; rounding differs only in where the scale multiplies)."""
-    model, twin = int8_pair
-    tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
-    targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
-    out = []
-    for m in (model, twin):
-        method = _ready(name, m)
-        _, logp, _ = engine.teacher_force(m.graphdef, m.params, method.bind(m.config), jnp.asarray(tokens),
-                                          jnp.asarray(mask), targets, with_logprobs=True, data=method.data(m))
-        out.append(np.asarray(logp))
-    np.testing.assert_allclose(out[0], out[1], atol=1e-4)
 
 
 def test_int8_activation_dot_matches_numpy():
@@ -213,7 +173,7 @@ def test_int8_model_head_and_qkv_read_two_passes(tiny_checkpoints, monkeypatch):
 def test_int8_activations_model_stays_close(tiny_checkpoints):
     """The default int8 model on CPU (activations="int8") against the weight-only one: logits
     within the activation-quantization error; methods of every kind of compact copy run on it
-    (the full registry sweep runs weight-only, above: the dot's two modes share every gather)."""
+    (the registry runs weight-only in tests/methods/test_method_matrix.py: the dot's two modes share every gather)."""
     directory, _ = tiny_checkpoints("llama-gqa")
     fast = popjax.load(directory, cache=False, weights="int8")
     assert fast.config.activations == "int8"  # the CPU default
@@ -224,7 +184,7 @@ def test_int8_activations_model_stays_close(tiny_checkpoints):
     tokens, mask = pad_batch([[5, 17, 3, 99, 42, 7], [8, 9, 10]], 0)
     targets = jnp.asarray([[13, 14, 15], [16, 17, 18]], jnp.int32)
     for name in ("static", "pop", "dynamic", "bwap", "pop-shortlist", "wanda-sp"):
-        method = _ready(name, fast)
+        method = ready(name, "llama", fast)
         nll, _, _ = engine.teacher_force(fast.graphdef, fast.params, method.bind(fast.config), jnp.asarray(tokens),
                                          jnp.asarray(mask), targets, data=method.data(fast))
         assert np.all(np.isfinite(np.asarray(nll))), name

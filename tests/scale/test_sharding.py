@@ -348,6 +348,7 @@ def other_methods(model):
     out["dynamic-shortlist"] = make_method("dynamic-shortlist", ratio=0.3)
     out["pop-gate"] = make_method("pop-gate", ratio=0.3, gamma=0.2)
     out["pop-bands"] = popjax.LayerBandsPOP(0.3, gamma=0.2).with_drift([0.1, 0.9])  # bands from a given drift
+    out["pop-pallas"] = popjax.POP(0.3, gamma=0.2, kernel="pallas")  # the kernel on every device (interpret mode)
     if model is not None:  # calibrated for real, on random tokens (seconds on this model; not cached)
         from popjax.calibration import Corpus
 

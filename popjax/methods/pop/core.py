@@ -22,6 +22,7 @@ from ... import kernels
 from ...models.config import ModelConfig
 from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
 from ..prompt_tokens import check_prompt_tokens
+from .blocks import BlockBand, check_block
 from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
 from .sharded import POPShardedPlan
 
@@ -82,11 +83,16 @@ class POP(POPPreset):
         Same outputs; "gather" saves the copy — (3·n_R + 4·m)·d elements per layer, per sequence
         with aggregate="per_sequence" — for per-step gathers (docs/scale_out.md).
       kernel: how a decode step reads the m selected candidates' down rows: "auto" (default:
-        the Pallas kernel on TPU and GPU, XLA on a CPU, on a mesh and where no kernel is wired),
+        the Pallas kernel on TPU and GPU, XLA on a CPU and where no kernel is wired),
         "xla" (XLA's gather and dot) or "pallas" (`popjax.kernels.decode_ffn.gather_matvec`
         over an input-major copy of C's down rows, which reads only the selected rows;
-        interpret mode on a CPU). Same outputs. Wired for partition="global" with weights="compact" on one device
+        interpret mode on a CPU; on a mesh every device runs it on its replicated copy of C's
+        rows). Same outputs. Wired for partition="global" with weights="compact"
         (docs/kernels.md, "POP's wiring"); `popjax.kernels.choose` resolves it at bind.
+      block: 1 (default: single channels, POP as the paper defines it) or b > 1: each step
+        selects its m candidates in whole blocks of b consecutive rows of the prefill's compact
+        candidate copy (C in prompt-importance order), m rounded to whole blocks (blocks.py):
+        what a block-reading kernel fetches. The partition is channel POP's.
     """
 
     name: ClassVar[str] = "pop"
@@ -94,6 +100,7 @@ class POP(POPPreset):
     shards: int | None = dataclasses.field(default=None, kw_only=True)
     weights: str = dataclasses.field(default="compact", kw_only=True)
     kernel: str = dataclasses.field(default="auto", kw_only=True)
+    block: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,6 +112,9 @@ class POP(POPPreset):
         if self.shards is not None and self.partition != "per_shard":
             raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
         check_choice("weights", self.weights, WEIGHT_MODES)
+        check_block(self.block)
+        if self.block > 1 and self.partition != "global":
+            raise MethodError(f"block={self.block} applies to partition='global' only (partition={self.partition!r})")
         check_choice("kernel", self.kernel, kernels.KERNELS)
         if self.kernel == "pallas" and (self.weights != "compact" or self.partition != "global"):
             raise MethodError(
@@ -122,17 +132,15 @@ class POP(POPPreset):
     def plan_sizes(self, f, n_keep):
         return {**super().plan_sizes(f, n_keep), "kernel": self.resolved_kernel()}
 
+    def band_rule(self) -> BandRule:
+        return GLOBAL_BAND if self.block == 1 else BlockBand(self.block)
+
     def candidate_scorer(self, f, n_keep, m):
-        return ExactScorer(gather=self.weights == "gather")
+        return ExactScorer(gather=self.weights == "gather", block=self.block)
 
     def prepare(self, model) -> "POP":
-        """per_shard without ``shards`` takes the model mesh's "model" axis size; on a mesh
-        ``kernel="auto"`` is XLA (the kernels do not run per shard yet) and "pallas" is refused."""
+        """per_shard without ``shards`` takes the model mesh's "model" axis size."""
         mesh = getattr(model, "mesh", None)
-        if mesh is not None and self.kernel != "xla":
-            if self.kernel == "pallas":
-                raise MethodError("kernel='pallas' does not run on a mesh yet (no shard_map wiring); use kernel='xla' or 'auto'")
-            return dataclasses.replace(self, kernel="xla").prepare(model)
         if self.partition == "per_shard" and self.shards is None and mesh is not None:
             return dataclasses.replace(self, shards=dict(mesh.shape).get("model", 1))
         return self

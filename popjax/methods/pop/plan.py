@@ -88,6 +88,7 @@ class ExactScorer(CandidateScorer):
     score needs its H, so a step reads them all whatever the kernel (docs/kernels.md)."""
 
     gather: bool = False
+    block: int = 1  # candidates chosen in whole blocks of this many consecutive positions of C (blocks.py)
 
     @property
     def compact_weights(self) -> bool:
@@ -122,7 +123,7 @@ class ExactScorer(CandidateScorer):
         if plan.m == 0:
             return y, {}
         scores = step_importance(h_candidates, valid, state["down_norm_candidates"])  # [n_C]
-        top_scores, selected = jax.lax.top_k(scores, plan.m)  # S_t, positions within C
+        top_scores, selected = top_candidates(scores, plan.m, self.block)  # S_t, positions within C
         selected_ids = take_channels(state["candidate_idx"], selected, axis=0)
         if plan.kernel != "xla":  # the kernel reads the m selected rows of C's InputRows copy
             batch, d = x.shape[0], x.shape[-1]
@@ -168,6 +169,17 @@ def exact_blocks(w, retained, candidates) -> dict:
         "down_retained": copy_channels_or_empty(w.down, retained, axis=1),
         "down_candidates": copy_candidates(w.down, candidates, axis=1).T,
     }
+
+
+def top_candidates(scores: jax.Array, m: int, block: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The m best candidates of C's scores [n_C] -> (their scores [m], positions in C [m]):
+    single channels, or (``block`` > 1, block POP) the m/block blocks of consecutive positions
+    whose scores have the largest L2 norm, each block's positions in order (with its norm)."""
+    if block == 1:
+        return jax.lax.top_k(scores, m)
+    top, ids = jax.lax.top_k(jnp.sqrt(jnp.sum(jnp.square(scores.reshape(-1, block)), axis=-1)), m // block)
+    positions = (ids[:, None] * block + jnp.arange(block, dtype=ids.dtype)).reshape(-1)
+    return jnp.repeat(top, block), positions
 
 
 def candidate_rows(down, candidates: jax.Array) -> InputRows:

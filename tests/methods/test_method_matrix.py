@@ -1,0 +1,190 @@
+"""The method × architecture × layout × weights matrix: every registered method on every family.
+
+One cell per (method, architecture): the method, ready for the tiny model (calibrated on random
+tokens where it needs statistics), teacher-forced through the engine's prefill and decode step
+on the float model, unrolled: finite log-probabilities [B, N, V]. Architectures:
+
+* ``llama``: the tiny LLaMA (GQA, untied);
+* ``moe``: a Qwen2-MoE whose first layer routes 8 experts beside a shared expert and whose second
+  is dense (the per-block aux of every step stacked over both: its shapes are checked);
+* ``gemma3``: the tiny Gemma 3 (GeGLU, sliding layers whose rings wrap during decode);
+* ``vlm``: the tiny Qwen2-VL, one row of the batch holding an image.
+
+Every method also runs once on its **variant** architecture (``VARIANT``, a rotation over the
+four, so each family sees about a quarter of the methods this way) with int8 weights and,
+where the model allows it, scanned layers: its log-probabilities equal the float unrolled
+run's within 1e-4. The float model of every family is the int8 model's dequantized twin
+(weights q · s), so that one float run is the reference of both the int8 weights and the scan.
+The mixed MoE model is not scannable (dense and expert layers differ), and a method with a
+per-layer prefill schedule (Prefill-Only Pruning) is refused by the scan in one line: those
+variants run int8 unrolled.
+
+Method-specific references live elsewhere: NumPy references of the plans in
+tests/methods/test_methods_reference.py and test_baselines_reference.py, Gemma 3's in
+test_gemma3_methods.py, MoE's per-expert statistics in test_moe_methods.py, a mesh of 8 devices
+in tests/scale/test_sharding.py, the code before the seam refactor in test_method_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import popjax
+from popjax import engine
+from popjax.convert import convert as conv
+from popjax.corpus import Corpus
+from popjax.image_prompts import image_prompt
+from popjax.loaded import with_scanned_layers
+from popjax.convert.fused import dequantize_tree
+from popjax.loading import build_model, place_model
+from popjax.methods import METHODS, make_method
+from popjax.models.config import ModelConfig
+from popjax.models.scan import check_scannable
+from popjax.pruned import checkpoint_tree
+from popjax.requests import pad_batch
+from tests.gemma3_reference import SKIP as GEMMA3_SKIP
+from tests.gemma3_reference import SWEEP_MODEL, sweep_data
+from tests.methods.test_moe_methods import BASE as MOE_BASE
+from tests.methods.test_moe_methods import CONFIGS as MOE_CONFIGS
+from tests.models.test_vlm import _hf_model, digit, expanded
+
+ARCHS = ("llama", "moe", "gemma3", "vlm")
+NAMES = sorted(METHODS)
+VARIANT = {name: ARCHS[i % len(ARCHS)] for i, name in enumerate(NAMES)}  # where each method also runs int8 (+ scanned)
+CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")  # statistics over a corpus
+HYPER = {"pop-lowrank": {"rank": 4}, "principal-teal": {"rank": 2}}
+PREFILL_SKIP = {"llama": (1,), "moe": (0,), "gemma3": GEMMA3_SKIP, "vlm": (1,)}  # Prefill-Only's skipped layers
+VARIANT_ATOL = 1e-4  # int8 (scale after the dot) against its dequantized twin; the scan adds ~1e-6
+
+
+@dataclasses.dataclass
+class Arch:
+    """One family's tiny models and inputs: the int8 model, its dequantized float twin, a
+    left-padded prompt batch, targets [B, N] and (a VLM) the batch's placed images."""
+
+    int8: Any
+    float: Any
+    tokens: jnp.ndarray
+    mask: jnp.ndarray
+    targets: jnp.ndarray
+    images: Any = None
+
+    def run(self, model, method, record: tuple[str, ...] = ()) -> tuple[np.ndarray, dict]:
+        """Teacher-forced log-probabilities [B, N, V] of ``method`` (ready) on ``model``, and the
+        decode aux named in ``record`` ([N, L, ...])."""
+        _, logp, records = engine.teacher_force(model.graphdef, model.params, method.bind(model.config), self.tokens,
+                                                self.mask, self.targets, with_logprobs=True, record=record,
+                                                data=method.data(model), images=self.images)
+        return np.asarray(logp), records
+
+
+def dequantized_twin(model):
+    """The float model whose weights are the int8 model's q · s (same config, weights "float");
+    a VLM's through its checkpoint tree (the vision tower with it)."""
+    cfg = dataclasses.replace(model.config, weights="float")
+    if model.config.vision is not None:
+        return build_model(cfg, checkpoint_tree(model), model.tokenizer, "dequantized", "float32")
+    tree = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
+    tree["layers"] = {str(k): v for k, v in tree["layers"].items()}
+    return place_model(cfg, tree, model.tokenizer, "dequantized", "float32")
+
+
+def _inputs(prompts, targets) -> dict:
+    tokens, mask = pad_batch(prompts, 0)
+    return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask), "targets": jnp.asarray(targets, jnp.int32)}
+
+
+def _build(name: str, tiny_checkpoints, tmp_path_factory) -> Arch:
+    rng = np.random.default_rng(3)
+    if name == "moe":
+        cfg = ModelConfig.from_hf_dict({"model_type": "qwen2_moe", **MOE_BASE, **MOE_CONFIGS["qwen2_moe"], "weights": "int8"})
+        tree = conv.unflatten({k: rng.normal(0, 0.3, s).astype(np.float32) for k, s in conv.checkpoint_shapes(cfg).items()})
+        q = build_model(cfg, tree, None, "moe", "float32")
+        return Arch(q, dequantized_twin(q), **_inputs([[5, 6, 7, 8, 9], [10, 11, 12]], [[13, 14, 15], [16, 17, 18]]))
+    if name == "vlm":
+        directory = tmp_path_factory.mktemp("matrix_vlm")
+        _hf_model("qwen2_vl").save_pretrained(directory)
+        q = popjax.load(str(directory), cache=False, weights="int8", activations="float")
+        pieces, images = expanded([[5, 6], digit(2, (56, 56)), [7, 8]])
+        arch = Arch(q, dequantized_twin(q), **_inputs([pieces, [9, 10, 11]], [[13, 14, 15], [16, 17, 18]]))
+        pixels = popjax.images.preprocess(images)
+        arch.images = image_prompt(q, pixels, np.asarray(arch.tokens), np.asarray(arch.mask))
+        return arch
+    directory, _ = tiny_checkpoints("llama-gqa" if name == "llama" else SWEEP_MODEL)
+    q = popjax.load(directory, cache=False, weights="int8", activations="float")
+    if name == "llama":
+        return Arch(q, dequantized_twin(q), **_inputs([[5, 17, 3, 99, 42, 7], [8, 9, 10]], [[13, 14, 15], [16, 17, 18]]))
+    prompts, targets = sweep_data(q.config.vocab_size)  # longer than the window; the rings wrap in decode
+    return Arch(q, dequantized_twin(q), **_inputs(prompts, targets))
+
+
+@pytest.fixture(scope="module")
+def arch(tiny_checkpoints, tmp_path_factory):
+    built: dict[str, Arch] = {}
+
+    def get(name: str) -> Arch:
+        if name not in built:
+            built[name] = _build(name, tiny_checkpoints, tmp_path_factory)
+        return built[name]
+
+    return get
+
+
+def ready(name: str, arch_name: str, model, **hyper):
+    """The registered method ``name`` (with ``hyper`` over the matrix's own hyper-parameters)
+    ready for ``model`` of the family ``arch_name``: prefill-only composed with POP over the
+    family's skipped layers, calibrated on random tokens or given its drift, then prepared."""
+    if name == "prefill-only":
+        method = make_method("prefill-only+pop", skip=PREFILL_SKIP[arch_name], **hyper)
+    else:
+        method = make_method(name, **{**HYPER.get(name, {}), **hyper})
+    vocab = min(model.config.vocab_size, 160)
+    corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, vocab, 6 * 16), window=16)
+    if name in CALIBRATED:
+        method = method.calibrate(model, corpus, cache=False)
+    elif name == "pop-bands":
+        method = method.prepare(model, corpus=corpus)
+    return method.prepare(model)
+
+
+def _scannable(model, method) -> bool:
+    try:
+        check_scannable(model.config)
+    except ValueError:
+        return False
+    return method.bind(model.config).layer_control(model.config.num_hidden_layers) is None
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("name", NAMES)
+def test_method_on_architecture(name, arch_name, arch):
+    """Finite log-probabilities through prefill and decode on the float model, unrolled; on the
+    method's variant family, int8 weights (scanned where allowed) give the same within 1e-4."""
+    a = arch(arch_name)
+    method = ready(name, arch_name, a.float)
+    logp, rec = a.run(a.float, method, record=("experts", "shared", "router_topk") if arch_name == "moe" else ())
+    B, N = a.targets.shape
+    assert logp.shape == (B, N, a.float.config.vocab_size) and np.all(np.isfinite(logp)), name
+    if arch_name == "moe":  # the per-block aux of every step, stacked over the MoE layer and the dense one
+        assert rec["router_topk"].shape == (N, 2, B, 1, 2) and not np.any(rec["router_topk"][:, 1])  # dense: zeros
+        for kind, blocks in (("experts", 8), ("shared", 3)):  # 8 experts; the shared expert and the dense FFN in blocks of 16
+            for leaf in jax.tree_util.tree_leaves(rec.get(kind, {})):
+                assert leaf.shape[:3] == (N, 2, blocks), (kind, leaf.shape)
+    if VARIANT[name] != arch_name:
+        return
+    variant = a.int8
+    if _scannable(a.int8, method):
+        variant = with_scanned_layers(a.int8)
+    elif arch_name != "moe":  # the scan refuses a per-layer schedule in one line, before any compile
+        scanned = with_scanned_layers(a.int8)
+        with pytest.raises(ValueError, match=r"a layer control that treats layers differently.*unrolled model"):
+            a.run(scanned, method)
+    np.testing.assert_allclose(a.run(variant, method)[0], logp, atol=VARIANT_ATOL, rtol=0, err_msg=f"{name} int8 on {arch_name}")
+
