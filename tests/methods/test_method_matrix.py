@@ -162,6 +162,7 @@ def _scannable(model, method) -> bool:
     return method.bind(model.config).layer_control(model.config.num_hidden_layers) is None
 
 
+@pytest.mark.slow  # 84 cells and 21 variants: about 90 CPU-seconds
 @pytest.mark.parametrize("arch_name", ARCHS)
 @pytest.mark.parametrize("name", NAMES)
 def test_method_on_architecture(name, arch_name, arch):
