@@ -107,8 +107,8 @@ def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: in
     program's compile ``seconds``. ``data``: an offline method's calibrated data, abstract
     (`popjax.analysis.shape_fitted.abstract_data`). The mesh's devices may be another platform's
     (a TPU topology: `popjax.analysis.tpu_compile`). ``prefill=False`` (a one-device mesh only,
-    where every sharding is that device) lowers ``start`` for the carry's shapes without
-    compiling it."""
+    where every sharding is that device; the caller checks) lowers ``start`` for the carry's
+    shapes without compiling it."""
     build = abstract_scanned_model if scan_layers else abstract_model  # shapes only, no weights
     graphdef, _ = nnx.split(build(cfg, jnp.dtype(dtype)))
     params = sharding.abstract_params(cfg, mesh, dtype, scan_layers=scan_layers)
@@ -132,11 +132,8 @@ def _compile(cfg: ModelConfig, mesh, plan, batch: int, prompt: int, capacity: in
         if prefill:
             compile_("start", lowered)
             shardings = out["start"].output_shardings[0]
-        elif mesh.devices.size == 1:
+        else:  # one device (the caller checks, `tpu_compile`): every leaf on it
             shardings = jax.tree_util.tree_map(lambda _: replicated, lowered.out_info[0])
-        else:
-            raise ValueError(f"prefill=False needs a mesh of one device (the carry's shardings come from the prefill's "
-                             f"compile); this mesh has {mesh.devices.size}")
         # the carry as decode receives it: start's output shapes in the shardings XLA gave them
         carry = out["carry"] = _with_shardings(lowered.out_info[0], shardings)
         if decode_loop:
