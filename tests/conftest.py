@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -151,9 +152,9 @@ def pytest_configure(config):
 # The files that take longest (summed from --durations=0, longest first: the notebooks, the method
 # matrix, a subprocess with 8 devices, the TPU compiles, the real Gemma 3, ...) start first, so that with
 # `--dist loadfile` the other worker runs the many short files meanwhile and neither waits at the end.
-LONGEST_FILES = ("test_notebooks.py", "test_method_matrix.py", "test_sharding.py", "test_tpu_compile.py",
-                 "test_gemma3_270m.py", "test_method_equivalence.py", "test_default_model.py", "test_sharding_gemma3.py",
-                 "test_multihost.py", "test_bf16.py", "test_sharding_vlm.py", "test_gemma3_methods.py")
+LONGEST_FILES = ("test_method_matrix.py", "test_notebooks.py", "test_tpu_compile.py", "test_sharding.py",
+                 "test_gemma3_270m.py", "test_default_model.py", "test_sharding_gemma3.py", "test_memory_plan.py",
+                 "test_multihost.py", "test_bf16.py", "test_gemma3.py", "test_sharding_vlm.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -246,6 +247,23 @@ def _isolated_cache(tmp_path_factory):
         os.environ.pop("POPJAX_CACHE", None)
     else:
         os.environ["POPJAX_CACHE"] = previous
+    _forget_conversions_of(tmp_path_factory.getbasetemp(), shared / "converted")
+
+
+def _forget_conversions_of(tmp: Path, converted: Path) -> None:
+    """Removes from the user's cache the conversions of checkpoints this worker made under its
+    temporary directory ``tmp`` (tiny random models: their source path is new every run, so each
+    run would add entries no later run reads), and their lock files; the real models stay."""
+    import shutil
+
+    for entry in converted.glob("*/entry.json"):
+        try:
+            source = json.loads(entry.read_text())["key"]["source"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written by another process, or not a conversion: not ours to judge
+        if isinstance(source, str) and Path(source).is_relative_to(tmp):
+            shutil.rmtree(entry.parent, ignore_errors=True)
+            (converted / f".{entry.parent.name}.lock").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,8 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                    capacity: int, dtype: str, scan_layers: bool = False, decode_loop: bool = True,
                    prefill: bool = True, hlo_dir: str | Path | None = None) -> dict[str, Any]:
     """One method's programs compiled for ``topology`` on ``mesh`` -> its JSON-ready record
-    (``hlo_dir``: write the optimized HLO of its decode step there, ``<label>-<ratio>.step.hlo.txt``)."""
+    (``hlo_dir``: write the optimized HLO of each compiled program there,
+    ``<label>-<ratio>.{start,step,loop}.hlo.txt``: prefill, decode step, decode loop)."""
     fitted = shape_fitted(method, cfg)
     plan = _bind_for_tpu(fitted, cfg, mesh)
     data = abstract_data(fitted, cfg, dtype, _replicated(mesh))
@@ -165,7 +166,9 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                 for name, key in PROGRAMS.items() if key in out}
     if hlo_dir is not None:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-        (Path(hlo_dir) / f"{label}-{ratio}.step.hlo.txt").write_text(out["step"].as_text())
+        for key in PROGRAMS.values():
+            if key in out:
+                (Path(hlo_dir) / f"{label}-{ratio}.{key}.hlo.txt").write_text(out[key].as_text())
     carry, itemsize = out["carry"], jnp.dtype(dtype).itemsize
     slots = carry.state.key_valid.shape[1]
     ideal = ideal_bytes(cfg, plan, batch, slots, itemsize, (mesh.shape["data"], mesh.shape["model"]))

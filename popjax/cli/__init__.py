@@ -31,10 +31,14 @@ __all__ = ["COMMANDS", "add_method_args", "build_parser", "main", "method_from_a
 
 def _enable_compilation_cache() -> None:
     """JAX's persistent compilation cache: a second CLI run skips most XLA compile time. A folder
-    the user chose (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept; else POPJAX_CACHE/jax."""
+    the user chose (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept; else POPJAX_CACHE/jax.
+    Programs that compiled in a second or more are stored, unless the user set the threshold
+    (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS): a `main` called in-process (a notebook, the
+    tests) leaves the caller's setting alone."""
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def build_parser() -> argparse.ArgumentParser:

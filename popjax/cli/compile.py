@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--jobs", type=int, default=1, help="methods compiled at once, each in its own process")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write estimated tokens/s against ratio here (PNG; needs matplotlib)")
-    p.add_argument("--hlo-dir", default=None, help="write each method's optimized decode-step HLO (XLA:TPU) here")
+    p.add_argument("--hlo-dir", default=None, help="write the optimized HLO (XLA:TPU) of each method's programs here: <method>-<ratio>.{start,step,loop}.hlo.txt")
     p.set_defaults(run=run)
 
 

@@ -135,9 +135,14 @@ def retained_overlap(traces_a: list[Any], traces_b: list[Any]) -> float:
     return float(np.mean(shares))
 
 
-def digits_vqa(model: LoadedModel, ratios=(0.2, 0.4), limit: int | None = None) -> dict[str, Any]:
+def digits_vqa(model: LoadedModel, ratios=(0.2, 0.4), limit: int | None = None,
+               methods: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The accuracy table (dense and every method at each ratio, with standard errors) and the
-    partition overlaps between POP's token choices -> a JSON-ready dict."""
+    partition overlaps between POP's token choices -> a JSON-ready dict. ``methods``: the
+    table's names (`methods_at`'s keys) to run, default all of them."""
+    known = tuple(methods_at(ratios[0]) if ratios else ())
+    if methods is not None and (unknown := [m for m in methods if m not in known]):
+        raise ValueError(f"digits_vqa: methods {unknown} are not in the table; valid: {list(known)}")
     images, labels = digit_images("test")
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
@@ -154,12 +159,13 @@ def digits_vqa(model: LoadedModel, ratios=(0.2, 0.4), limit: int | None = None) 
 
     row("dense", 0.0, None)
     overlaps = {}
-    jobs = [(r, name, m) for r in ratios for name, m in methods_at(r).items()]
+    jobs = [(r, name, m) for r in ratios for name, m in methods_at(r).items() if methods is None or name in methods]
     for ratio, name, method in tqdm(jobs, desc="digits VQA", unit="method"):
         traces = row(name, ratio, method, trace=name.startswith("pop("))
         if name.startswith("pop("):
             overlaps.setdefault(ratio, {})[name[4:-1]] = traces
-    pairs = {f"{ratio}": {f"{a}/{b}": retained_overlap(t[a], t[b]) for a, b in itertools.combinations(PROMPT_TOKENS, 2)}
+    pairs = {f"{ratio}": {f"{a}/{b}": retained_overlap(t[a], t[b])
+                          for a, b in itertools.combinations([c for c in PROMPT_TOKENS if c in t], 2)}
              for ratio, t in overlaps.items()}
     return {"rows": rows, "retained_overlap": pairs, "test_images": len(images), "chance": 0.1}
 

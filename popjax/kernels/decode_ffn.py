@@ -2,7 +2,9 @@
 what a method's plan calls, so that the plan names no platform.
 
 "pallas-tpu" runs the Mosaic kernels (`matvec_tpu`), "pallas-interpret" the same kernels in
-Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`).
+Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`). `gather_matvec` reads
+single rows (channel POP's selected candidates), `block_matvec` whole blocks of consecutive rows
+(block POP's).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -14,6 +16,7 @@ would leave XLA's partitioner to guess how to split an opaque custom call.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import RESOLVED, ffn_gpu, matvec_tpu
@@ -32,6 +35,27 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(call)(x, rows, ids)
+
+
+def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: int, out_features: int, kernel: str) -> jax.Array:
+    """y [B, n] = W · x over x's inputs in the blocks ``block_ids`` [nb] of ``block`` consecutive
+    rows (`matvec_tpu.block_matvec`'s contract) by the Pallas ``kernel``: on TPU the BlockSpec
+    pipeline fetches each block whole; on a GPU the Triton matvec reads the blocks' rows (each
+    block contiguous) through their positions, a block the contract does not count (out of
+    range, a repeat of the previous one) given positions out of range, which add nothing."""
+    if kernel == "pallas-gpu":
+        def call(x, rows, block_ids):
+            raw = block_ids.astype(jnp.int32)
+            repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
+            first = jnp.where(repeat, -rows.values.shape[0], raw * block)  # a repeat: below 0 for all its positions
+            positions = (first[:, None] + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
+            return ffn_gpu.gather_matvec(x, rows, positions, out_features=out_features)
+    elif kernel in ("pallas-tpu", "pallas-interpret"):
+        interpret = kernel == "pallas-interpret"
+        call = lambda x, rows, ids: matvec_tpu.block_matvec(x, rows, ids, block=block, out_features=out_features, interpret=interpret)  # noqa: E731
+    else:
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(call)(x, rows, block_ids)
 
 
 def per_device(call):

@@ -323,6 +323,16 @@ def gather_matvec_bytes(rows_read: int, positions: int, chunk: int, n: int, batc
     return rows_read * width * _size(weight_dtype) + other
 
 
+def block_matvec_bytes(blocks_read: int, positions: int, block: int, n: int, batch: int, weight_dtype, x_dtype) -> int:
+    """HBM bytes of the TPU block matvec: ``blocks_read`` blocks of b input rows of L·128 (a
+    block repeated at the next position is not fetched again), x's values at the ``positions``
+    blocks, the ids, int8 scales once, y once."""
+    width = channel_lines(n) * 128
+    scales = width * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    other = positions * block * batch * _size(x_dtype) + positions * 4 + scales + batch * width * _size(x_dtype)
+    return blocks_read * block * width * _size(weight_dtype) + other
+
+
 def count_distinct_fetches(ids: np.ndarray) -> int:
     """How many fetches a BlockSpec pipeline makes for fetch ids [n]: one per change of id."""
     ids = np.asarray(ids)

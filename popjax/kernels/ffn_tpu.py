@@ -124,7 +124,8 @@ def _ffn_step(x, gate, up, down, gate_up_scale, mask, act):
     return jnp.dot(h.astype(x.dtype), down.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _finish(acc_ref, o_ref, down_scale_ref):
+def finish(acc_ref, o_ref, down_scale_ref) -> None:
+    """o = the f32 accumulator (times the int8 output scale, when there is one) in o's dtype."""
     y = acc_ref[...]
     if down_scale_ref is not None:
         y = y * down_scale_ref[...]
@@ -152,7 +153,7 @@ def _block_kernel(ids_ref, keep_ref, *refs, act, masked, int8):
 
     @pl.when(i == pl.num_programs(0) - 1)
     def _():
-        _finish(acc_ref, o_ref, ds_ref)
+        finish(acc_ref, o_ref, ds_ref)
 
 
 def block_ffn(
@@ -273,7 +274,7 @@ def _gather_kernel(ids_ref, keep_ref, *refs, act, chunk, steps, int8):
 
     @pl.when(c == steps - 1)
     def _():
-        _finish(acc_ref, o_ref, ds_ref)
+        finish(acc_ref, o_ref, ds_ref)
 
 
 def gather_ffn(

@@ -11,6 +11,11 @@ decode FFN is two calls of `gather_matvec` on input-major weights (`ffn_layout.I
 as TEAL's own Triton kernel reads W's transpose. The rows are fetched with the same
 double-buffered per-row DMAs as `ffn_tpu.gather_ffn` (`ffn_tpu.fetch_rows`); a batch is served
 as the union of its rows' active inputs, a row adding only its own (its x there, else 0).
+
+`block_matvec` is the block-granular form (block POP's down read over its candidate copy): whole
+blocks of b consecutive input rows, fetched by a BlockSpec whose index map reads the
+scalar-prefetched block ids, so the pipeline double-buffers one contiguous [b, L, 128] copy per
+block instead of b row DMAs.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, channel_lines, check_input_rows, gather_matvec_bytes, select_channels
-from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, vmem_buffer_bytes, vmem_limit
+from .ffn_layout import InputRows, block_matvec_bytes, channel_lines, check_input_rows, gather_matvec_bytes, select_channels
+from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
 
 
 def matvec_vmem_bytes(batch: int, chunk: int, n: int, weight_dtype, x_dtype) -> int:
@@ -54,10 +59,7 @@ def _matvec_kernel(ids_ref, keep_ref, xs_ref, *refs, chunk, steps, scaled):
 
     @pl.when(c == steps - 1)
     def _():
-        y = acc_ref[...]
-        if scaled:
-            y = y * scale_ref[...]
-        o_ref[...] = y.astype(o_ref.dtype)
+        finish(acc_ref, o_ref, scale_ref)
 
 
 def gather_matvec(
@@ -118,4 +120,96 @@ def gather_matvec(
         interpret=interpret,
         name="gather_matvec",
     )(jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad)), *args)
+    return y[:, :out_features]
+
+
+def block_matvec_vmem_bytes(batch: int, block: int, n: int, weight_dtype, x_dtype) -> int:
+    """VMEM of `block_matvec`: the pipeline's two [block, L, 128] weight buffers, x's values of
+    two blocks, y twice and the f32 accumulator (L·128 wide)."""
+    lines = channel_lines(n)
+    total = MOSAIC_OWN_VMEM + 2 * vmem_buffer_bytes((block, lines, 128), weight_dtype)
+    total += 2 * vmem_buffer_bytes((batch, block), x_dtype) + 2 * vmem_buffer_bytes((batch, lines * 128), x_dtype)
+    total += vmem_buffer_bytes((batch, lines * 128), jnp.float32)
+    if jnp.dtype(weight_dtype) == jnp.int8:
+        total += 2 * vmem_buffer_bytes((1, lines * 128), jnp.float32)
+    return total
+
+
+def _block_matvec_kernel(ids_ref, xs_ref, *refs, steps, scaled):
+    scale_ref = refs[0] if scaled else None
+    w_ref, o_ref, acc_ref = refs[1:] if scaled else refs
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    xs = xs_ref[...]
+    w = w_ref[...]
+    acc_ref[...] += jnp.dot(xs, w.reshape(w.shape[0], w.shape[1] * w.shape[2]).astype(xs.dtype), preferred_element_type=jnp.float32)
+
+    @pl.when(i == steps - 1)
+    def _():
+        finish(acc_ref, o_ref, scale_ref)
+
+
+def block_matvec(
+    x: jax.Array,
+    rows: InputRows,
+    block_ids: jax.Array,
+    *,
+    block: int,
+    out_features: int,
+    interpret: bool | pltpu.InterpretParams = False,
+    chip: str = "v5e",
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """y [B, n] = Σ_j x[:, block j's inputs] · W[block j]ᵀ over the blocks ``block_ids`` [nb]
+    select (the same for every row; block j is inputs j·b … j·b + b − 1, W as `InputRows`
+    [k, L, 128] with k a multiple of ``block`` = b), under `ffn_layout`'s selection contract: an
+    id out of [0, k/b) adds nothing, a repeat of the previous id counts once. Each grid step's
+    [b, L, 128] block is fetched by a BlockSpec whose index map reads the scalar-prefetched ids
+    (block-granular POP: `popjax.methods.pop.blocks`), so the pipeline double-buffers whole
+    contiguous blocks instead of issuing a DMA per row, and does not fetch a repeat again."""
+    k, lines = check_input_rows(rows, x, out_features)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or k % block:
+        raise ValueError(f"block={block!r} does not divide the {k} input rows; use a positive divisor of {k}")
+    if block_ids.ndim != 1 or block_ids.shape[0] < 1:
+        raise ValueError(f"block_ids of shape {tuple(block_ids.shape)}: expected [nb] with nb >= 1 (one list for every row)")
+    batch, width, steps = x.shape[0], lines * 128, block_ids.shape[0]
+    raw = block_ids.astype(jnp.int32)
+    ids = jnp.clip(raw, 0, k // block - 1)  # what the index map fetches: always a real block
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
+    counted = (raw >= 0) & (raw < k // block) & ~repeat
+    # each block's inputs [nb, B, b], taken as whole blocks: an element-wise gather of their
+    # positions costs XLA:TPU ~350 KB per block (its cost model), a block-row take a few KB
+    xs = x.reshape(batch, k // block, block)[:, ids].transpose(1, 0, 2) * counted[:, None, None].astype(x.dtype)
+    est = block_matvec_vmem_bytes(batch, block, out_features, rows.values.dtype, x.dtype)
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_matvec (B={batch}, b={block}, n={out_features}, {rows.values.dtype})")
+
+    scaled = rows.scale is not None
+    in_specs = [pl.BlockSpec((None, batch, block), lambda i, ids: (i, 0, 0))]
+    args = [xs]
+    if scaled:
+        in_specs.append(pl.BlockSpec((1, width), lambda i, ids: (0, 0)))
+        args.append(rows.scale)
+    in_specs.append(pl.BlockSpec((block, lines, 128), lambda i, ids: (ids[i], 0, 0)))
+    args.append(rows.values)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(steps,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((batch, width), lambda i, ids: (0, 0)),
+        scratch_shapes=[pltpu.VMEM((batch, width), jnp.float32)],
+    )
+    traffic = block_matvec_bytes(steps, steps, block, out_features, batch, rows.values.dtype, x.dtype)
+    y = pl.pallas_call(
+        functools.partial(_block_matvec_kernel, steps=steps, scaled=scaled),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, width), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
+        cost_estimate=pl.CostEstimate(flops=2 * batch * width * block * steps, transcendentals=0, bytes_accessed=traffic),
+        interpret=interpret,
+        name="block_matvec",
+    )(ids, *args)
     return y[:, :out_features]

@@ -232,3 +232,30 @@ def test_layouts_hold_the_ffn_weights():
     flat = rows.reshape(3, F, -1)
     np.testing.assert_array_equal(flat[2, 17, :D], np.asarray(down)[:, 17])
     assert np.all(flat[:, :, D:] == 0)
+
+
+# ------------------------------------------------------------------------- block-granular input gathers
+@pytest.mark.parametrize("w_dtype, x_dtype, batch", [("float32", "float32", 1), ("int8", "float32", 3), ("bfloat16", "bfloat16", 2)])
+def test_block_matvec_matches_numpy(w_dtype, x_dtype, batch):
+    """`matvec_tpu.block_matvec` (block POP's down read) against loops over the blocks: k = 96
+    inputs in blocks of 8, n = 200 outputs (padded to 256), ids with a repeat (counted once),
+    one past the last block and one below 0 (both add nothing), then the repeated block again
+    after another (counted again)."""
+    rng = np.random.default_rng(11)
+    k, n, b = F, D, 8
+    w = rng.standard_normal((n, k)).astype(np.float32) / 8  # W [n, k]: down's shape, [d, f]
+    if w_dtype == "int8":
+        q, s = quantize(w)
+        rows, w64 = ffn_layout.input_layout(jnp.asarray(q), jnp.asarray(s)), q * s.astype(np.float64)
+    else:
+        rows, w64 = ffn_layout.input_layout(jnp.asarray(w, w_dtype)), np.asarray(jnp.asarray(w, w_dtype), np.float64)
+    x, x64 = inputs(batch, x_dtype, seed=12)
+    x, x64 = x[:, :k], x64[:, :k]
+    ids = [5, 2, 2, 12, -1, 7, 5]
+    y = matvec_tpu.block_matvec(x, rows, jnp.asarray(ids, jnp.int32), block=b, out_features=n, interpret=True)
+    want, prev = np.zeros((batch, n)), None
+    for j in ids:
+        if 0 <= j < k // b and j != prev:
+            want += x64[:, j * b : (j + 1) * b] @ w64[:, j * b : (j + 1) * b].T
+        prev = j
+    check(y, want, x_dtype)

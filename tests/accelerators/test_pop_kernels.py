@@ -24,6 +24,8 @@ from popjax.generation import generate_ids
 from popjax.kernels.ffn_layout import InputRows, channel_lines
 from popjax.methods import MethodError
 from popjax.methods.pop import POPPlan
+from popjax.methods.pop.blocks import BlockBand
+from popjax.methods.pop.plan import GLOBAL_BAND, ExactScorer
 from popjax.kernels.int8 import Int8Weight, quantize
 from popjax.models.interface import FFNWeights
 from tests.conftest import random_prompts
@@ -47,19 +49,19 @@ def _logprobs(model, method, prompts, targets) -> np.ndarray:
     return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
 
 
-# (family, batch, aggregate); the other combinations run with -m slow
-# both families, batch sizes and aggregates (the kernel under vmap: per-sequence at batch 2)
-CASES = [("llama", 1, "per_sequence"), ("llama", 2, "shared"), ("gemma3", 2, "per_sequence")]
+# (family, batch, aggregate, block): both families, batch sizes and aggregates (the kernel under
+# vmap: per-sequence at batch 2), channel POP and block POP (the block kernel)
+CASES = [("llama", 1, "per_sequence", 1), ("llama", 2, "shared", 1), ("gemma3", 2, "per_sequence", 1), ("llama", 2, "shared", 8)]
 
 
-@pytest.mark.parametrize("family, batch, aggregate", CASES)
-def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate):
+@pytest.mark.parametrize("family, batch, aggregate, block", CASES)
+def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block):
     """Log-probs within 1e-5 and the same greedy tokens: XLA's greedy continuation, fed to both
     paths, is the argmax of the Pallas path's log-probs at every step (so greedy decoding
     through the kernel makes the same tokens, one compile fewer than a second generate)."""
     model = tiny_model if family == "llama" else request.getfixturevalue("gemma")
     prompts = _prompts(model, batch)
-    xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, kernel="xla")
+    xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, block=block, kernel="xla")
     pallas = dataclasses.replace(xla, kernel="pallas")
     assert pallas.bind(model.config).kernel == "pallas-interpret"
     greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
@@ -78,15 +80,17 @@ def _ffn_weights(int8: bool, f: int = 48, d: int = 40, seed: int = 0) -> FFNWeig
     return FFNWeights(gate_up=gate_up if int8 else jnp.asarray(gate_up), down=down if int8 else jnp.asarray(down), down_norm=norms)
 
 
-@pytest.mark.parametrize("int8, aggregate", [(False, "per_sequence"), (True, "shared")])
-def test_plan_step_through_the_kernel(int8, aggregate):
+@pytest.mark.parametrize("int8, aggregate, block", [(False, "per_sequence", 1), (True, "shared", 1), (False, "shared", 4), (True, "per_sequence", 4)])
+def test_plan_step_through_the_kernel(int8, aggregate, block):
     """One layer's plan, float and int8 weights: the kernel path keeps C's down rows as
-    `InputRows` [n_C, L, 128] and its decode step equals XLA's (outputs and selections)."""
+    `InputRows` [n_C, L, 128] and its decode step equals XLA's (outputs and selections); block
+    POP's (``block`` > 1) reads its m/b blocks through `decode_ffn.block_matvec`."""
     w = _ffn_weights(int8)
     rng = np.random.default_rng(1)
     x, x_t = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.float32), jnp.asarray(rng.normal(size=(2, 1, 40)), jnp.float32)
     valid, valid_t = jnp.ones((2, 5), bool), jnp.ones((2, 1), bool)
-    xla = POPPlan(f=48, n_keep=30, aggregate=aggregate, m=6)
+    m = 6 if block == 1 else 8  # whole blocks
+    xla = POPPlan(f=48, n_keep=30, aggregate=aggregate, m=m, scorer=ExactScorer(block=block), band=BlockBand(block) if block > 1 else GLOBAL_BAND)
     pallas = dataclasses.replace(xla, kernel="pallas-interpret")
     outs = []
     for plan in (xla, pallas):
@@ -94,7 +98,7 @@ def test_plan_step_through_the_kernel(int8, aggregate):
         y_t, _, aux = plan.decode(w, state, x_t, jnp.int32(0), valid_t)
         outs.append((y, state, y_t, aux))
     rows = outs[1][1]["down_candidates"]
-    assert isinstance(rows, InputRows) and rows.values.shape[-3:] == (12, channel_lines(40), 128)
+    assert isinstance(rows, InputRows) and rows.values.shape[-3:] == (2 * m, channel_lines(40), 128)
     assert (rows.scale is not None) == int8
     np.testing.assert_array_equal(outs[1][0], outs[0][0])  # prefill does not use the kernel
     np.testing.assert_allclose(outs[1][2], outs[0][2], atol=1e-4, rtol=1e-5)

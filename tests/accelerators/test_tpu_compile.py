@@ -19,6 +19,7 @@ from popjax import libtpu_env
 from popjax.analysis.topologies import CHIPS, GiB, LibTPUMissing, resolve_topology
 from popjax.analysis.tpu_compile import check_fit, resolve_model, tpu_compile
 from popjax.analysis.tpu_report import format_report
+from popjax.cli import main
 from popjax.methods import METHODS
 from popjax.models.config import ModelConfig
 from popjax.sharding import abstract_params, make_mesh
@@ -141,13 +142,18 @@ def test_every_family_compiles(family, weights, mesh, scan):
 
 def test_pop_compiles_with_the_mosaic_kernel_on_one_chip(tmp_path):
     """POP's "auto" kernel is bound for the TPU, not for this CPU host: the decode step XLA:TPU
-    compiles calls the Pallas kernel (a Mosaic custom call per layer), and "xla" calls none."""
-    report = tpu_compile(config(), "v5e:1x1", ["pop", "pop:kernel=xla"], [0.4], with_dense=False, hlo_dir=tmp_path, **SHAPES)
-    assert {r["method"]: r["kernel"] for r in report["records"]} == {"pop": "pallas-tpu", "pop(kernel=xla)": "xla"}
+    compiles calls the Pallas kernel (a Mosaic custom call per layer; block POP's, the block
+    kernel), and "xla" calls none."""
+    report = tpu_compile(config(), "v5e:1x1", ["pop", "pop:kernel=xla", "pop:block=8"], [0.4], with_dense=False,
+                         hlo_dir=tmp_path, prefill=False, **SHAPES)
+    assert {r["method"]: r["kernel"] for r in report["records"]} == {"pop": "pallas-tpu", "pop(kernel=xla)": "xla",
+                                                                      "pop(block=8)": "pallas-tpu"}
     for record in report["records"]:
         _check_record(record, report)
     assert (tmp_path / "pop-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == 2
     assert (tmp_path / "pop(kernel=xla)-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == 0
+    block = (tmp_path / "pop(block=8)-0.4.step.hlo.txt").read_text()
+    assert block.count(MOSAIC_CALL) == 2 and "block_matvec" in block
 
 
 def test_v5p_and_v4_slices_resolve_with_their_chips():
@@ -207,7 +213,7 @@ def test_a_program_that_does_not_fit_is_reported_and_refused_on_request():
 
 
 @pytest.mark.slow  # a CLI process and two worker processes (each imports popjax and JAX)
-def test_cli_compiles_and_writes_json_and_plot(tmp_path):
+def test_cli_compiles_and_writes_json_and_plot(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(BASE, **FAMILIES["llama"])))
     out, plot = tmp_path / "out.json", tmp_path / "out.png"
@@ -223,8 +229,8 @@ def test_cli_compiles_and_writes_json_and_plot(tmp_path):
     assert report["jax_backend"] == "cpu" and report["command"].startswith("popjax compile --topology v5e:2x2")
     assert plot.stat().st_size > 10_000 and "est tok/s" in result.stdout
     assert "TPU_ACCELERATOR_TYPE" not in result.stderr and "TPU_WORKER_HOSTNAMES" not in result.stderr  # start-up is quiet
-    bad = subprocess.run(cmd[:8] + ["--mesh", "3x3"], capture_output=True, text=True, env=env, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+    assert main(cmd[3:8] + ["--mesh", "3x3"]) == 2  # in this process: the same one line, no second start-up
+    assert capsys.readouterr().err.strip().splitlines() == [
         "popjax: error: mesh 3x3 (9 devices) does not cover topology v5e:2x2 (4 devices); valid meshes: 1x4, 2x2, 4x1"]
 
 

@@ -85,3 +85,10 @@ def tiny_vision_params():
 def test_digits_task_refuses_another_model(tiny_model):
     with pytest.raises(ValueError, match="the digits_vqa task asks the digits VLM"):
         digits_task(tiny_model, popjax.POP(0.2))
+
+
+def test_digits_vqa_refuses_a_method_not_in_its_table():
+    from popjax.eval.digits_vqa import digits_vqa
+
+    with pytest.raises(ValueError, match=r"methods \['pop\(everything\)'\] are not in the table; valid: \['pop\(all\)'"):
+        digits_vqa(None, methods=("pop(all)", "pop(everything)"))

@@ -1,7 +1,7 @@
 """Gemma 3 on an 8-device mesh (one subprocess with 8 fake CPU devices, its own test file so
 xdist runs it beside tests/scale/test_sharding.py's worker): mixed sliding-window and full layers,
-ring-buffer caches split over batch and KV heads, unrolled (every method below on the (2, 4) mesh,
-dense and POP on (1, 8)) and scanned (dense and POP on (2, 4)), equal to one device.
+ring-buffer caches split over batch and KV heads, unrolled (every method below) and scanned (dense
+and POP) on the (2, 4) mesh, which splits the batch and the heads at once, equal to one device.
 
 Dense, static, POP (shared and per shard) and Prefill-Only + POP are teacher-forced through a
 prefill and decode steps that run past the window (the step the greedy loop runs); the greedy
@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker impor
 
 from tests.scale.test_sharding import ATOL, PROMPTS, WORKER_FLAGS, _teacher, random_tree, tiny_config  # noqa: E402
 
-MESHES = ((1, 8), (2, 4))
 WINDOW = 4  # PROMPTS run to 12 tokens and decoding adds 10: every ring wraps
 DECODE = 10
 
@@ -55,25 +54,23 @@ def worker(out_path: str) -> None:
                "pop-per_shard": popjax.POP(0.3, partition="per_shard", shards=8),
                "prefill-only+pop": popjax.PrefillOnly(skip=(1, 3)) + popjax.POP(0.3)}
     out = {"devices": len(jax.devices()), "methods": {}, "generate": {}}
+    shape = (2, 4)
     for scan in (False, True):
         single = build_model(cfg, tree, None, "tiny-gemma3", "float32", scan_layers=scan)
-        for shape in MESHES if not scan else ((2, 4),):  # scanned: the mesh that splits batch and heads at once
-            placed = build_model(cfg, tree, None, "tiny-gemma3", "float32", sharding.make_mesh(shape), scan_layers=scan)
-            for name, method in methods.items():
-                if (scan or shape == (1, 8)) and name not in ("dense", "pop-shared"):
-                    # every method on the mesh that splits batch and heads at once; the scanned
-                    # cache layouts and the (1, 8) split with the dense and POP steps
-                    continue
-                plan = method.bind(cfg)
-                want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
-                got = _teacher(placed, plan, tokens, mask, targets)[: len(PROMPTS)]
-                out["methods"][f"{name} scan={scan} {shape}"] = {
-                    "max_abs_logprob_diff": float(np.abs(got - want).max()),
-                    "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
-            if not scan and shape == (2, 4):  # the greedy loop's programs (start, decode_loop) with POP, once
-                ids, _ = generate_ids(placed, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
-                want, _ = generate_ids(single, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
-                out["generate"][f"pop-shared scan={scan} {shape}"] = ids == want
+        placed = build_model(cfg, tree, None, "tiny-gemma3", "float32", sharding.make_mesh(shape), scan_layers=scan)
+        for name, method in methods.items():
+            if scan and name not in ("dense", "pop-shared"):  # the scanned cache layouts: the dense and POP steps
+                continue
+            plan = method.bind(cfg)
+            want = _teacher(single, plan, tokens, mask, targets)[: len(PROMPTS)]
+            got = _teacher(placed, plan, tokens, mask, targets)[: len(PROMPTS)]
+            out["methods"][f"{name} scan={scan} {shape}"] = {
+                "max_abs_logprob_diff": float(np.abs(got - want).max()),
+                "greedy_same": bool((got.argmax(-1) == want.argmax(-1)).all())}
+        if not scan:  # the greedy loop's programs (start, decode_loop) with POP, once
+            ids, _ = generate_ids(placed, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
+            want, _ = generate_ids(single, PROMPTS, DECODE, method=methods["pop-shared"], ignore_eos=True)
+            out["generate"][f"pop-shared scan={scan} {shape}"] = ids == want
     out["cpu_seconds"] = time.process_time() - start
     Path(out_path).write_text(json.dumps(out, indent=1))
 
@@ -95,7 +92,7 @@ def eight_devices_gemma3(tmp_path_factory) -> dict:
 def test_gemma3_on_eight_devices_matches_one_device(eight_devices_gemma3):
     results = eight_devices_gemma3
     assert results["devices"] == 8
-    assert len(results["methods"]) == 5 + 2 + 2  # unrolled: 5 methods on (2, 4), 2 on (1, 8); scanned: 2 on (2, 4)
+    assert len(results["methods"]) == 5 + 2  # on (2, 4): unrolled 5 methods, scanned 2
     for name, got in results["methods"].items():
         assert got["greedy_same"], name
         assert got["max_abs_logprob_diff"] <= ATOL, (name, got)

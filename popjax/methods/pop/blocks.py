@@ -16,7 +16,8 @@ ranking order. Only the step's choice among C is coarser:
   of neighbouring prompt importance) scores the L2 norm of its channels' scores; the top m/b
   blocks are selected whole (`plan.top_candidates`).
 
-``block=1`` is channel POP itself. `results/frontier/block_pop` measures the NLL cost per b.
+``block=1`` is channel POP itself. `results/frontier/block_pop` measures the NLL cost per b. With
+a Pallas ``kernel`` the step reads its blocks through `popjax.kernels.decode_ffn.block_matvec`.
 """
 
 from __future__ import annotations

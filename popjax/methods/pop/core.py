@@ -84,15 +84,16 @@ class POP(POPPreset):
         with aggregate="per_sequence" — for per-step gathers (docs/scale_out.md).
       kernel: how a decode step reads the m selected candidates' down rows: "auto" (default:
         the Pallas kernel on TPU and GPU, XLA on a CPU and where no kernel is wired),
-        "xla" (XLA's gather and dot) or "pallas" (`popjax.kernels.decode_ffn.gather_matvec`
-        over an input-major copy of C's down rows, which reads only the selected rows;
+        "xla" (XLA's gather and dot) or "pallas" (`popjax.kernels.decode_ffn.gather_matvec`,
+        or with ``block`` > 1 `block_matvec`, over an input-major copy of C's down rows, which
+        reads only the selected rows or blocks;
         interpret mode on a CPU; on a mesh every device runs it on its replicated copy of C's
         rows). Same outputs. Wired for partition="global" with weights="compact"
         (docs/kernels.md, "POP's wiring"); `popjax.kernels.choose` resolves it at bind.
       block: 1 (default: single channels, POP as the paper defines it) or b > 1: each step
         selects its m candidates in whole blocks of b consecutive rows of the prefill's compact
         candidate copy (C in prompt-importance order), m rounded to whole blocks (blocks.py):
-        what a block-reading kernel fetches. The partition is channel POP's.
+        what the block kernel fetches, one contiguous copy per block. The partition is channel POP's.
     """
 
     name: ClassVar[str] = "pop"

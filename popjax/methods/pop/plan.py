@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import kernels
-from ...kernels.decode_ffn import gather_matvec
+from ...kernels.decode_ffn import block_matvec, gather_matvec
 from ...kernels.ffn_layout import InputRows, channel_lines, input_layout
 from ...kernels.int8 import Int8Weight, empty_along
 from ...sharding import pad_ids
@@ -84,7 +84,7 @@ class ExactScorer(CandidateScorer):
     With a Pallas ``plan.kernel`` (POP's ``kernel``) C's down rows are copied at prefill as
     `ffn_layout.InputRows` [n_C, L, 128] (row i = candidate i's down column, zero past d) and a
     step adds the m selected ones through `kernels.decode_ffn.gather_matvec`, which reads only
-    those m rows. The gate/up rows of R ∪ C stay a dense compact block: every candidate's
+    those m rows (block POP, ``block`` > 1: `kernels.decode_ffn.block_matvec`, its m/b blocks). The gate/up rows of R ∪ C stay a dense compact block: every candidate's
     score needs its H, so a step reads them all whatever the kernel (docs/kernels.md)."""
 
     gather: bool = False
@@ -128,7 +128,11 @@ class ExactScorer(CandidateScorer):
         if plan.kernel != "xla":  # the kernel reads the m selected rows of C's InputRows copy
             batch, d = x.shape[0], x.shape[-1]
             h_c = h_candidates.reshape(batch, plan.n_candidates)
-            y_c = gather_matvec(h_c, state["down_candidates"], selected, out_features=d, kernel=plan.kernel)
+            if self.block > 1:  # whole blocks: their ids, each block fetched as one contiguous slab
+                y_c = block_matvec(h_c, state["down_candidates"], selected[:: self.block] // self.block, block=self.block,
+                                   out_features=d, kernel=plan.kernel)
+            else:
+                y_c = gather_matvec(h_c, state["down_candidates"], selected, out_features=d, kernel=plan.kernel)
             return y + y_c.reshape(y.shape).astype(y.dtype), {"selected": selected_ids, "scores": top_scores}
         if self.gather:  # only the m selected down columns, as rows [m, d]
             down_selected = take_channels(w.down, selected_ids, axis=1).T
