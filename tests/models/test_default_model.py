@@ -22,7 +22,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def default_model():
-    return popjax.load()
+    # scanned layers: the same decoder layer as the unrolled default (tests/models/test_scan.py holds
+    # them equal; the two-layer cut of the notebooks and CLI tests runs unrolled), compiled once
+    return popjax.load(scan_layers=True)
 
 
 @pytest.fixture(scope="session")
