@@ -57,7 +57,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("decode/prefill: peak per device (arguments + outputs - aliased + temps + code; n/c: not compiled); step GiB: bytes "
                  "accessed per device per decode step (XLA:TPU cost analysis"
                  + (", unrolled 1- and 2-layer steps extrapolated" if report["scan_layers"] else "")
-                 + "); ideal: the analytic bytes; vs dense / ideal x: estimated speed-up over dense, compiler / ideal "
+                 + "; it counts weights staged into VMEM on top of HBM traffic: docs/tpu.md); ideal: the analytic "
+                 "bytes; vs dense / ideal x: estimated speed-up over dense, compiler / ideal "
                  f"bytes; XLA tok/s: an {report['xla_estimate_note']}")
     missing = [f"{r['method']}: {name} needs {p['peak'] / GiB:.2f} GiB" for r in report["records"]
                for name, p in r["programs"].items() if not p["fits"]]
