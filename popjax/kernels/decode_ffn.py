@@ -45,10 +45,7 @@ def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: 
     range, a repeat of the previous one) given positions out of range, which add nothing."""
     if kernel == "pallas-gpu":
         def call(x, rows, block_ids):
-            raw = block_ids.astype(jnp.int32)
-            repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
-            first = jnp.where(repeat, -rows.values.shape[0], raw * block)  # a repeat: below 0 for all its positions
-            positions = (first[:, None] + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
+            positions = block_positions(block_ids, block, rows.values.shape[0])
             return ffn_gpu.gather_matvec(x, rows, positions, out_features=out_features)
     elif kernel in ("pallas-tpu", "pallas-interpret"):
         interpret = kernel == "pallas-interpret"
@@ -56,6 +53,19 @@ def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: 
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(call)(x, rows, block_ids)
+
+
+def block_positions(block_ids: jax.Array, block: int, rows: int) -> jax.Array:
+    """The input rows [nb·b] of the blocks ``block_ids`` [nb] under `block_matvec`'s contract, as
+    single-row ids for `gather_matvec`, which drops an id out of [0, rows): block j's rows
+    j·b … j·b + b − 1 (out of range whole when j is), and ids below 0 for a repeat of the
+    previous block id, which the contract counts once."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or rows % block:
+        raise ValueError(f"block={block!r} does not divide the {rows} input rows; use a positive divisor of {rows}")
+    raw = block_ids.astype(jnp.int32)
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
+    first = jnp.where(repeat, -rows - block, raw * block)
+    return (first[:, None] + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
 
 
 def per_device(call):

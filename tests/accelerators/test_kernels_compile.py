@@ -17,7 +17,7 @@ from jax._src.pallas.mosaic.interpret import shared_memory  # private: the TPU s
 from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import resolve_topology
-from popjax.kernels import ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
+from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
 
 S = jax.ShapeDtypeStruct
 
@@ -252,6 +252,8 @@ def test_bad_input_is_one_clear_line():
     _fail(ffn_gpu.gather_matvec, S((2, 63), "bfloat16"), inputs, S((4,), "int32"), out_features=1000, match=r"x of shape \(2, 63\) does not fit")
     _fail(matvec_tpu.block_matvec, S((2, 64), "bfloat16"), inputs, S((2,), "int32"), block=24, out_features=1000,
           match="block=24 does not divide the 64 input rows; use a positive divisor of 64")
+    with pytest.raises(ValueError, match="block=24 does not divide the 64 input rows; use a positive divisor of 64"):
+        decode_ffn.block_positions(jnp.zeros((2,), jnp.int32), 24, 64)  # the GPU's block read
     _fail(matvec_tpu.block_matvec, S((2, 64), "bfloat16"), inputs, S((2, 2), "int32"), block=16, out_features=1000,
           match=r"block_ids of shape \(2, 2\): expected \[nb\] with nb >= 1")
     _fail(matvec_tpu.block_matvec, S((64, 64), "bfloat16"), ffn_layout.InputRows(S((64, 1024, 128), "float32")), S((4,), "int32"),

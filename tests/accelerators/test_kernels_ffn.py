@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from popjax.kernels import ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
+from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
 from popjax.kernels.int8 import quantize
 
 D, F = 200, 96  # d not a multiple of 128, f not a power of two
@@ -235,12 +235,21 @@ def test_layouts_hold_the_ffn_weights():
 
 
 # ------------------------------------------------------------------------- block-granular input gathers
-@pytest.mark.parametrize("w_dtype, x_dtype, batch", [("float32", "float32", 1), ("int8", "float32", 3), ("bfloat16", "bfloat16", 2)])
-def test_block_matvec_matches_numpy(w_dtype, x_dtype, batch):
-    """`matvec_tpu.block_matvec` (block POP's down read) against loops over the blocks: k = 96
-    inputs in blocks of 8, n = 200 outputs (padded to 256), ids with a repeat (counted once),
-    one past the last block and one below 0 (both add nothing), then the repeated block again
-    after another (counted again)."""
+BLOCK_MATVECS = {  # the TPU kernel; on a GPU, decode_ffn's single-row ids for the Triton matvec
+    "tpu": lambda x, rows, ids, b, n: matvec_tpu.block_matvec(x, rows, ids, block=b, out_features=n, interpret=True),
+    "gpu": lambda x, rows, ids, b, n: ffn_gpu.gather_matvec(x, rows, decode_ffn.block_positions(ids, b, rows.values.shape[0]),
+                                                            out_features=n, interpret=True),
+}
+
+
+@pytest.mark.parametrize("platform, w_dtype, x_dtype, batch", [("tpu", "float32", "float32", 1), ("tpu", "int8", "float32", 3),
+                                                               ("tpu", "bfloat16", "bfloat16", 2), ("gpu", "int8", "float32", 3)])
+def test_block_matvec_matches_numpy(platform, w_dtype, x_dtype, batch):
+    """Block POP's down read (`matvec_tpu.block_matvec`; on a GPU `decode_ffn.block_positions`
+    into `ffn_gpu.gather_matvec`) against loops over the blocks: k = 96 inputs in blocks of 8,
+    n = 200 outputs (padded to 256), ids with a repeat (counted once), one past the last block
+    and one below 0 (both add nothing), then the repeated block again after another (counted
+    again)."""
     rng = np.random.default_rng(11)
     k, n, b = F, D, 8
     w = rng.standard_normal((n, k)).astype(np.float32) / 8  # W [n, k]: down's shape, [d, f]
@@ -252,7 +261,7 @@ def test_block_matvec_matches_numpy(w_dtype, x_dtype, batch):
     x, x64 = inputs(batch, x_dtype, seed=12)
     x, x64 = x[:, :k], x64[:, :k]
     ids = [5, 2, 2, 12, -1, 7, 5]
-    y = matvec_tpu.block_matvec(x, rows, jnp.asarray(ids, jnp.int32), block=b, out_features=n, interpret=True)
+    y = BLOCK_MATVECS[platform](x, rows, jnp.asarray(ids, jnp.int32), b, n)
     want, prev = np.zeros((batch, n)), None
     for j in ids:
         if 0 <= j < k // b and j != prev:

@@ -84,8 +84,9 @@ class ExactScorer(CandidateScorer):
     With a Pallas ``plan.kernel`` (POP's ``kernel``) C's down rows are copied at prefill as
     `ffn_layout.InputRows` [n_C, L, 128] (row i = candidate i's down column, zero past d) and a
     step adds the m selected ones through `kernels.decode_ffn.gather_matvec`, which reads only
-    those m rows (block POP, ``block`` > 1: `kernels.decode_ffn.block_matvec`, its m/b blocks). The gate/up rows of R ∪ C stay a dense compact block: every candidate's
-    score needs its H, so a step reads them all whatever the kernel (docs/kernels.md)."""
+    those m rows (block POP, ``block`` > 1: `kernels.decode_ffn.block_matvec`, its m/b blocks).
+    The gate/up rows of R ∪ C stay a dense compact block: every candidate's score needs its H,
+    so a step reads them all whatever the kernel (docs/kernels.md)."""
 
     gather: bool = False
     block: int = 1  # candidates chosen in whole blocks of this many consecutive positions of C (blocks.py)
