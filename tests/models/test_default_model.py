@@ -108,12 +108,26 @@ def test_torch_free_gguf_tokenizer_matches_transformers():
 
 
 @pytest.mark.real_model
-def test_bf16_greedy_agrees_with_fp32(greedy):
-    """Greedy decoding in bf16 (weights, activations, caches; tests/models/test_bf16.py holds
-    every architecture to transformers in bf16) follows the fp32 model for most tokens of the
-    same chat prompts (measured: see docs/scale_out.md)."""
-    # scanned layers: the same decoder layer (tests/models/test_scan.py), a fraction of the trace and compile time
-    bf16 = popjax.generate(popjax.load(dtype="bfloat16", scan_layers=True), PROMPTS, max_new_tokens=32)
-    prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) / len(p)
-              for p, q in zip(greedy.token_ids, bf16.token_ids)]
-    assert np.mean(prefix) >= 0.5, (greedy.texts, bf16.texts, prefix)
+def test_bf16_follows_the_fp32_greedy_tokens(default_model, greedy):
+    """bf16 (weights, activations; tests/models/test_bf16.py holds every architecture to
+    transformers in bf16), teacher-forced on the fp32 model's greedy continuations of the chat
+    prompts, picks fp32's token at ≥ 90% of the positions and at every one where fp32's top two
+    logits are more than 1 nat apart. bf16 rounding moves the logits by up to ~0.7 (measured),
+    so a near tie may flip; compared free-running, one early flip (the first token of PROMPTS[0]:
+    fp32's top two are 0.08 apart) changes the whole continuation."""
+    seqs = [p + t for p, t in zip(greedy.prompt_token_ids, greedy.token_ids)]
+    T = max(map(len, seqs))
+    ids = np.array([[0] * (T - len(s)) + s for s in seqs])
+    mask = np.array([[0] * (T - len(s)) + [1] * len(s) for s in seqs])
+    # scanned layers: the same decoder layer (tests/models/test_scan.py), a fraction of the compile time
+    bf16 = np.asarray(popjax.forward(popjax.load(dtype="bfloat16", scan_layers=True), ids, mask))
+    fp32 = np.asarray(popjax.forward(default_model, ids, mask))
+    agree, total = 0, 0
+    for i, tokens in enumerate(greedy.token_ids):
+        at = np.arange(T - len(tokens) - 1, T - 1)  # the positions that predicted each generated token
+        assert (fp32[i, at].argmax(-1) == tokens).all()  # the forward pass is the greedy run's model
+        top2 = np.sort(fp32[i, at], -1)[:, -2:]
+        picked = bf16[i, at].argmax(-1) == np.asarray(tokens)
+        assert picked[top2[:, 1] - top2[:, 0] > 1.0].all(), (i, picked, top2)
+        agree, total = agree + picked.sum(), total + len(tokens)
+    assert agree / total >= 0.9, (agree, total)
