@@ -13,47 +13,27 @@ import pytest
 # Keep tests on one deterministic CPU device and out of the user's cache.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (after JAX_PLATFORMS, which jax reads when it starts)
+# XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
+# emitters (measured: tests/models/test_int8.py 182 s -> 91 s), and the real model's tests take
+# as long with either (measured: `-m "real_model or optimized_xla"` 99 s against 103 s). XLA reads
+# XLA_FLAGS once, when its backend starts, so they are set before JAX starts, for this worker and
+# the subprocesses it runs (CLI runs, notebook kernels, multi-device workers inherit them).
+TINY_PROGRAM_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TINY_PROGRAM_XLA_FLAGS}".strip()
+
+import jax  # noqa: E402  (after JAX_PLATFORMS and XLA_FLAGS, which jax reads when it starts)
 
 # Tiny models compile far longer than they run: XLA's optimisation passes buy nothing in a test
 # worker. Tests that read optimised HLO or its cost analysis ask for them back with
-# @pytest.mark.optimized_xla. Subprocesses (notebook kernels, CLI runs) keep JAX's default.
+# @pytest.mark.optimized_xla.
 jax.config.update("jax_disable_most_optimizations", True)
-
-# XLA:CPU's older loop emitters compile a tiny model's program in half the time of its fusion
-# emitters (measured: tests/models/test_int8.py 182 s -> 91 s), but the real model's 30 layers in 15-30%
-# more, and they run its scanned layers 2x slower. So an unoptimised compile takes them, except
-# in tests marked `real_model` (the whole real model) or `optimized_xla` (`_xla_optimisations`).
-# The option goes where `jax.jit(..., compiler_options=...)` puts its own (jax._src.compiler is
-# private: without it, the same programs compile with the default emitters, only slower).
-# Subprocess workers with tiny models set the same option in XLA_FLAGS (TINY_PROGRAM_XLA_FLAGS).
-TINY_PROGRAM_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-TINY_PROGRAM_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TINY_PROGRAM_OPTIONS.items())
-_tiny_programs = [True]  # off while a test of the whole real model or an `optimized_xla` test runs
 
 
 def tiny_program_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess (a CLI run, a notebook kernel) that compiles only tiny
-    programs: CPU, unoptimised, the older emitters."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {TINY_PROGRAM_XLA_FLAGS}".strip()
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "XLA_FLAGS": flags, **extra}
+    programs: CPU, unoptimised, the older emitters (XLA_FLAGS, inherited)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", **extra}
 
-
-def _with_tiny_program_options(get_compile_options):
-    def get(*args, env_options_overrides=None, **kwargs):
-        if _tiny_programs[0] and jax.config.read("jax_disable_most_optimizations"):
-            env_options_overrides = {**TINY_PROGRAM_OPTIONS, **(env_options_overrides or {})}
-        return get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
-
-    return get
-
-
-try:
-    from jax._src import compiler as _jax_compiler
-except ImportError:  # a JAX without it: default emitters
-    _jax_compiler = None
-if _jax_compiler is not None and hasattr(_jax_compiler, "get_compile_options"):
-    _jax_compiler.get_compile_options = _with_tiny_program_options(_jax_compiler.get_compile_options)
 
 TINY_BASE = dict(
     vocab_size=160,
@@ -164,18 +144,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _xla_optimisations(request):
-    """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs'
-    cost); XLA's default emitters for it and for a ``real_model`` test (the whole real model;
-    the two-layer cut of `short_default_model_dir` compiles faster with the older ones)."""
+    """Full XLA optimisation for a test marked ``optimized_xla`` (it reads optimised programs' cost)."""
     optimised = request.node.get_closest_marker("optimized_xla") is not None
-    whole_model = request.node.get_closest_marker("real_model") is not None
-    _tiny_programs[0] = not (optimised or whole_model)
     if optimised:
         jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
-        _tiny_programs[0] = True
         if optimised:
             jax.config.update("jax_disable_most_optimizations", True)
 

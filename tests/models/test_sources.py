@@ -21,8 +21,9 @@ from popjax import cache
 from popjax.cli import build_parser, main
 from popjax.convert import CheckpointError, pypi, sources
 from popjax.convert.sources import GEMMA_CHUNKS, NamedSource
-from popjax.eval.digits_vlm import QUESTIONS, make_tokenizer
+from popjax.eval.digits_vlm import QUESTIONS, make_tokenizer, trained_directory
 from popjax.images import ImageError
+from tests.models.test_digits_vlm import SHORT
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,16 @@ def test_generate_image_on_a_text_model_by_path_is_one_line(named_dir, tmp_path,
     assert err.startswith(f"popjax: error: model {named_dir} takes no images;") and err.count("\n") == 1
 
 
-@pytest.mark.slow  # trains the digits VLM once (about two minutes on 2 cores) unless the cache has it
-def test_digits_vlm_loads_and_takes_an_image_by_name(tmp_path, capsys):
+@pytest.mark.slow  # trains a short digits VLM once unless the cache has it
+def test_digits_vlm_loads_and_takes_an_image_by_name(tmp_path, capsys, monkeypatch):
+    """The name resolves to the digits VLM's maker, imported on first use; here the maker trains
+    the short recipe of tests/models/test_digits_vlm.py (the shipped recipe's 1500 steps take
+    8 minutes on 2 cores with the suite's unoptimised XLA), which `load` and `generate --image`
+    then read by name."""
+    named = sources.SOURCES["digits-vlm"]
+    assert named.fetch == "popjax.eval.digits_vlm:trained_directory" and named.vision and named.kind == "converted"
+    assert callable(getattr(importlib.import_module("popjax.eval.digits_vlm"), "trained_directory"))
+    monkeypatch.setitem(sources.SOURCES, "digits-vlm", dataclasses.replace(named, fetch=lambda: trained_directory(SHORT)))
     model = popjax.load("digits-vlm")
     assert model.source == "digits-vlm" and model.config.is_vision_language
     Image.fromarray(np.full((56, 56, 3), 200, np.uint8)).save(tmp_path / "digit.png")

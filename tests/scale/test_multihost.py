@@ -39,7 +39,7 @@ NEW_TOKENS = 4
 LOGIT_ATOL = 1e-5  # rounding only (cross-process sums run in another order; measured ~2e-6)
 LOCAL_DEVICES = 4
 XLA_FLAGS = (f"--xla_force_host_platform_device_count={LOCAL_DEVICES} --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")  # tiny programs: compile time dominates (conftest.TINY_PROGRAM_OPTIONS)
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")  # tiny programs: compile time dominates (conftest.TINY_PROGRAM_XLA_FLAGS)
 TEXT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
 
 

@@ -314,7 +314,7 @@ def test_pop_partition_errors_and_mesh_default():
 
 
 # ----------------------------------------------------------------------------- the 8-device worker
-# fewer LLVM passes and the older loop emitters (conftest.TINY_PROGRAM_OPTIONS): compiles dominate the run
+# fewer LLVM passes and the older loop emitters (conftest.TINY_PROGRAM_XLA_FLAGS): compiles dominate the run
 WORKER_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                 "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
 
