@@ -20,6 +20,7 @@ measurement (docs/tpu.md, "int8: the LM head is re-tiled in every step").
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import tempfile
 from importlib.metadata import version
@@ -52,7 +53,7 @@ def entry_copies(hlo: str) -> list[dict]:
     """The int8 `copy` ops of the entry computation (re-tilings in HBM), with their bytes."""
     entry = hlo[hlo.index("\nENTRY"):]
     shapes = [tuple(int(n) for n in m.group(1).split(",")) for m in ENTRY_COPY.finditer(entry)]
-    return [{"shape": list(s), "bytes": int(jnp.prod(jnp.array(s)))} for s in shapes]
+    return [{"shape": list(s), "bytes": math.prod(s)} for s in shapes]
 
 
 def compile_with(layout: str, args) -> list[dict]:

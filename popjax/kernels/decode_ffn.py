@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import RESOLVED, ffn_gpu, matvec_tpu
-from .ffn_layout import InputRows
+from .ffn_layout import InputRows, check_block, counted_blocks
 
 
 def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
@@ -57,14 +57,12 @@ def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: 
 
 def block_positions(block_ids: jax.Array, block: int, rows: int) -> jax.Array:
     """The input rows [nb·b] of the blocks ``block_ids`` [nb] under `block_matvec`'s contract, as
-    single-row ids for `gather_matvec`, which drops an id out of [0, rows): block j's rows
-    j·b … j·b + b − 1 (out of range whole when j is), and ids below 0 for a repeat of the
-    previous block id, which the contract counts once."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or rows % block:
-        raise ValueError(f"block={block!r} does not divide the {rows} input rows; use a positive divisor of {rows}")
-    raw = block_ids.astype(jnp.int32)
-    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
-    first = jnp.where(repeat, -rows - block, raw * block)
+    single-row ids for `gather_matvec`, which drops an id out of [0, rows): a counted block j's
+    rows j·b … j·b + b − 1, and ids below 0 for a block the contract does not count (out of
+    range, or a repeat of the previous id: `ffn_layout.counted_blocks`)."""
+    check_block(block, rows)
+    raw, counted = counted_blocks(block_ids, rows // block)
+    first = jnp.where(counted, raw * block, -rows - block)  # a block not counted: ids below 0
     return (first[:, None] + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
 
 

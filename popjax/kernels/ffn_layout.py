@@ -206,6 +206,20 @@ def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tupl
     return k, lines
 
 
+def check_block(block: int, rows: int) -> None:
+    """A block-granular read's block size must be a positive divisor of its ``rows`` input rows."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or rows % block:
+        raise ValueError(f"block={block!r} does not divide the {rows} input rows; use a positive divisor of {rows}")
+
+
+def counted_blocks(block_ids: jax.Array, n_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The block contract's selection: block_ids [nb] -> (ids as int32, counted [nb] bool): an id
+    in [0, n_blocks) counts unless it repeats the previous id (a repeat counts once)."""
+    raw = block_ids.astype(jnp.int32)
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
+    return raw, (raw >= 0) & (raw < n_blocks) & ~repeat
+
+
 def check_x(x: jax.Array, d: int) -> None:
     """x must be [B, d] with 1 <= B <= MAX_BATCH, float32 or bfloat16."""
     if x.ndim != 2 or x.shape[1] != d:

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, block_matvec_bytes, channel_lines, check_input_rows, gather_matvec_bytes, select_channels
+from .ffn_layout import (InputRows, block_matvec_bytes, channel_lines, check_block, check_input_rows, counted_blocks,
+                         gather_matvec_bytes, select_channels)
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
 
 
@@ -172,15 +173,12 @@ def block_matvec(
     (block-granular POP: `popjax.methods.pop.blocks`), so the pipeline double-buffers whole
     contiguous blocks instead of issuing a DMA per row, and does not fetch a repeat again."""
     k, lines = check_input_rows(rows, x, out_features)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or k % block:
-        raise ValueError(f"block={block!r} does not divide the {k} input rows; use a positive divisor of {k}")
+    check_block(block, k)
     if block_ids.ndim != 1 or block_ids.shape[0] < 1:
         raise ValueError(f"block_ids of shape {tuple(block_ids.shape)}: expected [nb] with nb >= 1 (one list for every row)")
     batch, width, steps = x.shape[0], lines * 128, block_ids.shape[0]
-    raw = block_ids.astype(jnp.int32)
+    raw, counted = counted_blocks(block_ids, k // block)
     ids = jnp.clip(raw, 0, k // block - 1)  # what the index map fetches: always a real block
-    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
-    counted = (raw >= 0) & (raw < k // block) & ~repeat
     # each block's inputs [nb, B, b], taken as whole blocks: an element-wise gather of their
     # positions costs XLA:TPU ~350 KB per block (its cost model), a block-row take a few KB
     xs = x.reshape(batch, k // block, block)[:, ids].transpose(1, 0, 2) * counted[:, None, None].astype(x.dtype)
