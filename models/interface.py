@@ -71,6 +71,18 @@ class FFNWeights:
         return dataclasses.replace(self, **changes)
 
 
+class FFNStack(NamedTuple):
+    """Every layer's FFN weights on a leading layer axis (a dense model of uniform width):
+    gate_up [L, 2, f, d] and down [L, d, f] in the compute dtype, or int8 with fp32
+    per-output-channel scales gate_up_scale [L, 2, f, 1] and down_scale [L, d, 1] (else None).
+    What a method builds a kernel's weight layout from (e.g. input-major rows)."""
+
+    gate_up: jax.Array
+    down: jax.Array
+    gate_up_scale: jax.Array | None = None
+    down_scale: jax.Array | None = None
+
+
 # fn(w, state, x [B, T, d], valid [B, T] bool) -> (y [B, T, d], state, aux)
 FFNFn = Callable[[FFNWeights, Any, jax.Array, jax.Array], tuple[jax.Array, Any, Any]]
 

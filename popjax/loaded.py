@@ -5,7 +5,7 @@ what offline calibration walks) and scanned (stacked for ``lax.scan``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from . import sharding
 from .images import ImageProcessorConfig
 from .models.config import ModelConfig
 from .models.decoder import abstract_model
+from .models.interface import FFNStack
 from .models.scan import scan_layers as stack_model_layers
 
 
@@ -36,6 +37,36 @@ class LoadedModel:
     # and its image preprocessing (the checkpoint's preprocessor_config.json, else Qwen2-VL's defaults)
     vision: Any = None
     image_processor: ImageProcessorConfig | None = None
+    # copies of the weights in a kernel's layout, built once per model (`derived`); not copied by
+    # dataclasses.replace, so a model with other weights never reads another's
+    _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, name: str, build: Callable[["LoadedModel"], Any]) -> Any:
+        """``build(self)``, computed once per model and kept while the model lives: a copy of its
+        weights in a kernel's layout (TEAL's input-major rows), not rebuilt at every call."""
+        if name not in self._derived:
+            self._derived[name] = build(self)
+        return self._derived[name]
+
+    def ffn_stack(self) -> FFNStack:
+        """Every layer's FFN weights stacked (`models.interface.FFNStack`): a scanned model's
+        stack as it is, an unrolled model's layers stacked (a copy). ValueError on a
+        mixture-of-experts model or one with per-layer FFN widths."""
+        check_uniform_ffn(self.config)
+        pure = nnx.to_pure_dict(self.params)
+        if "layer_stack" in pure:
+            mlp = pure["layer_stack"]["mlp"]
+        else:
+            layers = pure["layers"]
+            mlp = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *(layers[i]["mlp"] for i in sorted(layers)))
+        return FFNStack(mlp["gate_up"], mlp["down"], mlp.get("gate_up_scale"), mlp.get("down_scale"))
+
+
+def check_uniform_ffn(cfg: ModelConfig) -> None:
+    """A stack of FFN weights needs one dense FFN per layer, all of one width."""
+    if cfg.moe is not None or cfg.intermediate_sizes is not None:
+        kind = "a mixture-of-experts" if cfg.moe is not None else "a per-layer-width"
+        raise ValueError(f"{cfg.model_type}: {kind} model has no stack of equal FFN weights (a dense model of uniform width has)")
 
 
 def with_scanned_layers(model: LoadedModel) -> LoadedModel:

@@ -30,7 +30,9 @@ from ..methods.pop.low_rank import LowRankFactors
 from ..methods.prefill_only.kv_calibration import KVCalibration
 from ..methods.principal_teal import PrincipalFit
 from ..methods.wanda_sp import ChannelSelection
+from ..loaded import check_uniform_ffn
 from ..models.config import ModelConfig
+from ..models.interface import FFNStack
 
 SOURCE = "shape-only placeholder (popjax.analysis.shape_fitted)"
 
@@ -41,6 +43,21 @@ class ShapeModel:
 
     config: ModelConfig
     dtype: str
+    mesh: Any = None  # none: shapes only
+
+    def derived(self, name: str, build):
+        """`LoadedModel.derived` without the memo: under ``jax.eval_shape`` nothing is built."""
+        return build(self)
+
+    def ffn_stack(self) -> FFNStack:
+        """`LoadedModel.ffn_stack`'s shapes, as zeros (for ``jax.eval_shape``)."""
+        cfg = self.config
+        check_uniform_ffn(cfg)
+        L, f, d = cfg.num_hidden_layers, cfg.intermediate_size, cfg.hidden_size
+        if cfg.weights != "int8":
+            return FFNStack(jnp.zeros((L, 2, f, d), self.dtype), jnp.zeros((L, d, f), self.dtype))
+        return FFNStack(jnp.zeros((L, 2, f, d), jnp.int8), jnp.zeros((L, d, f), jnp.int8),
+                        jnp.ones((L, 2, f, 1), jnp.float32), jnp.ones((L, d, 1), jnp.float32))
 
 
 def _zeros(*shape: int) -> np.ndarray:

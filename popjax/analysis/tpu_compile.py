@@ -93,20 +93,20 @@ def _extrapolated_step_cost(cfg: ModelConfig, mesh, method: Method, batch: int, 
     costs = []
     for n in (1, 2):
         small = _with_layers(cfg, n)
-        fitted = shape_fitted(method, small)
-        data = abstract_data(fitted, small, dtype, _replicated(mesh))
-        costs.append(step_cost(_compile(small, mesh, _bind_for_tpu(fitted, small, mesh), batch, prompt, capacity, dtype, False,
+        plan, data = _bind_for_tpu(shape_fitted(method, small), small, dtype, mesh)
+        costs.append(step_cost(_compile(small, mesh, plan, batch, prompt, capacity, dtype, False,
                                     decode_loop=False, data=data)["step"]))
     one, two = costs
     return {k: None if one[k] is None or two[k] is None else one[k] + (cfg.num_hidden_layers - 1) * (two[k] - one[k])
             for k in one}
 
 
-def _bind_for_tpu(method: Method, cfg: ModelConfig, mesh):
-    """``method``'s plan with the TPU's kernels, not this host's (`kernels.compiling_for`):
-    "auto" is the Pallas (Mosaic) kernel, run by every device of a mesh (`kernels.decode_ffn`)."""
+def _bind_for_tpu(method: Method, cfg: ModelConfig, dtype: str, mesh):
+    """``method``'s plan and abstract data with the TPU's kernels, not this host's
+    (`kernels.compiling_for`): "auto" is the Pallas (Mosaic) kernel, run by every device of a
+    mesh (`kernels.decode_ffn`), and the data holds what that kernel reads (TEAL's copies)."""
     with kernels.compiling_for("tpu"):
-        return method.bind(cfg)
+        return method.bind(cfg), abstract_data(method, cfg, dtype, _replicated(mesh))
 
 
 @contextlib.contextmanager
@@ -142,9 +142,7 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
     """One method's programs compiled for ``topology`` on ``mesh`` -> its JSON-ready record
     (``hlo_dir``: write the optimized HLO of each compiled program there,
     ``<label>-<ratio>.{start,step,loop}.hlo.txt``: prefill, decode step, decode loop)."""
-    fitted = shape_fitted(method, cfg)
-    plan = _bind_for_tpu(fitted, cfg, mesh)
-    data = abstract_data(fitted, cfg, dtype, _replicated(mesh))
+    plan, data = _bind_for_tpu(shape_fitted(method, cfg), cfg, dtype, mesh)
     hbm, label = topology.hbm_per_device, method_label(method, exclude=("ratio",))
     ratio = method.reported()["ratio"]
     # what the decode step's selected rows run through on the TPU (`popjax.kernels.RESOLVED`)
@@ -173,10 +171,14 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
     slots = carry.state.key_valid.shape[1]
     ideal = ideal_bytes(cfg, plan, batch, slots, itemsize, (mesh.shape["data"], mesh.shape["model"]))
     seconds = cost["bytes_accessed"] / topology.bandwidth_per_device
+    # what stays on a device between programs: a program's own arguments leave out what it does
+    # not read (XLA drops unused ones: TEAL's kernel step reads its copies, not the FFN weights)
+    arguments = {"weights": _shard_bytes(out["params"]), "kv_cache": _shard_bytes(carry.state.caches),
+                 "method_state": _shard_bytes(carry.state.method_states), "method_data": _shard_bytes(data)}
+    held = sum(arguments.values())
     return {
-        **head, "programs": programs, "fits": all(p["fits"] for p in programs.values()),
-        "arguments": {"weights": _shard_bytes(out["params"]), "kv_cache": _shard_bytes(carry.state.caches),
-                      "method_state": _shard_bytes(carry.state.method_states)},
+        **head, "programs": programs, "fits": all(p["fits"] for p in programs.values()) and held <= hbm,
+        "arguments": arguments, "held": held,
         "decode_step": {**cost, "ideal_bytes_per_device": ideal["per_device"], "ideal_bytes_whole_model": ideal["whole_model"],
                         "estimated_tokens_per_s": batch / seconds if seconds else math.inf,
                         "xla_estimated_tokens_per_s": batch / cost["optimal_seconds"] if cost["optimal_seconds"] else None,
@@ -295,6 +297,10 @@ def check_fit(report: dict[str, Any]) -> None:
             raise ValueError(f"{r['method']}: does not fit a {report['topology']['chip']} device (topology "
                              f"{report['topology']['name']}, mesh {report['mesh']['data']}x{report['mesh']['model']}): "
                              f"XLA:TPU: {r['error']}")
+        if r["held"] > hbm:
+            raise ValueError(f"{r['method']}: its weights, KV cache, state and method data need {r['held'] / 2**30:.2f} GiB "
+                             f"per device, more than the {hbm / 2**30:.2f} GiB of HBM a {report['topology']['chip']} device has "
+                             f"(topology {report['topology']['name']}, mesh {report['mesh']['data']}x{report['mesh']['model']})")
         for name, p in r["programs"].items():
             if not p["fits"]:
                 raise ValueError(f"{r['method']}: {name} needs {p['peak'] / 2**30:.2f} GiB per device, more than the "

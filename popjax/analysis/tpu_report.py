@@ -32,7 +32,7 @@ def format_report(report: dict[str, Any]) -> str:
         head,
         f"per device: HBM {t['hbm_per_device'] / GiB:.2f} GiB, {t['hbm_bandwidth_per_device'] / 1e9:.0f} GB/s; "
         f"memory and bytes from XLA:TPU (GiB); tok/s is an {report['estimate_note']}",
-        f"{'method':<24}{'ratio':>6}{'weights':>8}{'KV':>8}{'state':>8}{'decode':>8}{'prefill':>8}  fits"
+        f"{'method':<24}{'ratio':>6}{'weights':>8}{'KV':>8}{'state':>8}{'data':>8}{'decode':>8}{'prefill':>8}  fits"
         f"{'step GiB':>9}{'ideal':>8}{'est tok/s':>10}{'vs dense':>9}{'ideal x':>8}{'XLA tok/s':>10}{'XLA x':>7}"
         f"{'compile s':>10}",
     ]
@@ -45,6 +45,7 @@ def format_report(report: dict[str, Any]) -> str:
         vs = r.get("vs_dense")
         lines.append(
             f"{r['method'][:23]:<24}{r['ratio']:6.2f}{_gib(a['weights']):>8}{_gib(a['kv_cache']):>8}{_gib(a['method_state']):>8}"
+            f"{_gib(a.get('method_data', 0)):>8}"
             f"{_gib(decode['peak']):>8}{_gib(progs['prefill']['peak']) if 'prefill' in progs else 'n/c':>8}"
             f"  {'yes ' if r['fits'] else 'NO  '}"
             f"{step['bytes_accessed'] / GiB:9.3f}{step['ideal_bytes_per_device'] / GiB:8.3f}"
@@ -54,7 +55,9 @@ def format_report(report: dict[str, Any]) -> str:
             + (f"{vs['xla_estimated_speedup']:6.2f}x" if vs and vs.get("xla_estimated_speedup") else f"{'':>7}")
             + f"{sum(p['compile_seconds'] for p in progs.values()):10.1f}"
         )
-    lines.append("decode/prefill: peak per device (arguments + outputs - aliased + temps + code; n/c: not compiled); step GiB: bytes "
+    lines.append("data: a method's calibrated data and weight copies (TEAL's kernel layout); decode/prefill: peak per device "
+                 "(arguments + outputs - aliased + temps + code; n/c: not compiled); fits: every peak, and weights + KV + state "
+                 "+ data together; step GiB: bytes "
                  "accessed per device per decode step (XLA:TPU cost analysis"
                  + (", unrolled 1- and 2-layer steps extrapolated" if report["scan_layers"] else "")
                  + "; it counts weights staged into VMEM on top of HBM traffic: docs/tpu.md); ideal: the analytic "
@@ -62,6 +65,8 @@ def format_report(report: dict[str, Any]) -> str:
                  f"bytes; XLA tok/s: an {report['xla_estimate_note']}")
     missing = [f"{r['method']}: {name} needs {p['peak'] / GiB:.2f} GiB" for r in report["records"]
                for name, p in r["programs"].items() if not p["fits"]]
+    missing += [f"{r['method']}: weights, KV, state and data held {r['held'] / GiB:.2f} GiB" for r in report["records"]
+                if r.get("held", 0) > t["hbm_per_device"]]
     missing += [f"{r['method']}: refused by XLA:TPU" for r in report["records"] if "error" in r]
     if missing:
         lines.append(f"does not fit in {t['hbm_per_device'] / GiB:.2f} GiB per device: " + "; ".join(missing))

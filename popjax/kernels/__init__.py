@@ -7,8 +7,8 @@ functional interfaces, so that a faster kernel for one platform drops in at one 
   its dot forms (`dot`: weight-only or int8 activations, two passes for outlier-heavy inputs).
 * `ffn_layout`: the decode-FFN kernels' weight layouts (`BlockSlab`, `ChannelRows`,
   `InputRows`), selections and byte counts; `ffn_tpu` (Mosaic: `block_ffn`, `gather_ffn`),
-  `matvec_tpu` (`gather_matvec`) and `ffn_gpu` (Triton: the same three) read only the weight
-  rows or blocks a decode step selected (docs/kernels.md).
+  `matvec_tpu` (`gather_matvec`, `block_matvec`, `masked_matvec`) and `ffn_gpu` (Triton: the
+  same) read only the weight rows or blocks a decode step selected (docs/kernels.md).
 * Here: `choose`, the ONE place that maps a method's ``kernel`` hyper-parameter ("auto",
   "xla", "pallas") to what runs on this platform (`RESOLVED`); `decode_ffn` calls the kernel a
   resolved value names (a plan imports it; importing this package does not load Pallas).

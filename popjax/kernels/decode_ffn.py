@@ -4,7 +4,7 @@ what a method's plan calls, so that the plan names no platform.
 "pallas-tpu" runs the Mosaic kernels (`matvec_tpu`), "pallas-interpret" the same kernels in
 Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`). `gather_matvec` reads
 single rows (channel POP's selected candidates), `block_matvec` whole blocks of consecutive rows
-(block POP's).
+(block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -35,6 +35,26 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(call)(x, rows, ids)
+
+
+def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_features: int, layer, expected_active: int,
+                  kernel: str) -> jax.Array:
+    """y [B, n] = W · (x where ``active`` [B, k] or [k]) with W as `ffn_layout.InputRows`, one
+    matrix [k, L, 128] or a stack of layers [S, k, L, 128] read at ``layer`` (TEAL's gate/up and
+    down), by the Pallas ``kernel``: the rows of inputs no row keeps are not read.
+    ``expected_active``: the inputs a call keeps at the method's target, for the TPU compiler's
+    cost estimate (`matvec_tpu.masked_matvec`)."""
+    if kernel == "pallas-gpu":
+        call = lambda x, rows, active, layer: ffn_gpu.masked_matvec(x, rows, active, out_features=out_features, layer=layer)  # noqa: E731
+    elif kernel in ("pallas-tpu", "pallas-interpret"):
+        interpret = kernel == "pallas-interpret"
+
+        def call(x, rows, active, layer):
+            return matvec_tpu.masked_matvec(x, rows, active, out_features=out_features, layer=layer,
+                                            expected_active=expected_active, interpret=interpret)
+    else:
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(call)(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
 
 
 def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: int, out_features: int, kernel: str) -> jax.Array:

@@ -1,6 +1,6 @@
 """Pallas GPU (Triton backend) kernels for a decode step's pruned FFN over x [B, d] (B 1–64):
-the same `block_ffn` and `gather_ffn` as `ffn_tpu` and `gather_matvec` as `matvec_tpu`, on the
-same layouts and selections.
+the same `block_ffn` and `gather_ffn` as `ffn_tpu`, and `gather_matvec` and `masked_matvec` as
+`matvec_tpu`, on the same layouts and selections.
 
 A GPU loads rows through indexed loads (``ref[ids[:, None], cols[None, :]]``, as jax's
 ``pallas/ops/gpu/paged_attention.py`` and TEAL's ``kernels/sparse_gemv.py`` do), so both
@@ -35,6 +35,7 @@ from .ffn_layout import (
     check_channel_rows,
     check_input_rows,
     check_slab,
+    masked_selection,
     select_blocks,
     select_channels,
 )
@@ -213,17 +214,42 @@ def gather_matvec(
     [B, m], + count), W as `InputRows` [k, L, 128]. The down kernel of `rows_ffn` with x's
     values at the positions in place of h."""
     k, lines = check_input_rows(rows, x, out_features)
-    batch = x.shape[0]
-    sel = select_channels(ids, k, batch, count)
+    sel = select_channels(ids, k, x.shape[0], count)
     mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
-    n = sel.ids.shape[0]
+    xs = x[:, sel.ids].astype(jnp.float32) * mask.T  # [B, U]
+    return _rows_matvec(xs, rows.values.reshape(k, lines * 128), sel.ids, sel.keep, rows.scale,
+                        out_features=out_features, dtype=x.dtype, interpret=interpret, splits=splits)
+
+
+def masked_matvec(
+    x: jax.Array,
+    rows: InputRows,
+    active: jax.Array,
+    *,
+    out_features: int,
+    layer: int | jax.Array | None = None,
+    interpret: bool = False,
+    splits: int | None = None,
+) -> jax.Array:
+    """`matvec_tpu.masked_matvec` on a GPU: y [B, n] = W · (x where ``active``), rows [k, L, 128]
+    or a stack [S, k, L, 128] read at ``layer``; the rows of inputs no row keeps are not loaded."""
+    sel = masked_selection(rows, x, active, out_features, layer)
+    flat = sel.values.reshape(sel.values.shape[0], -1)
+    return _rows_matvec(sel.xs.T.astype(jnp.float32), flat, sel.ids, sel.keep, sel.scale,
+                        out_features=out_features, dtype=x.dtype, interpret=interpret, splits=splits)
+
+
+def _rows_matvec(xs, flat, ids, keep, scale, *, out_features, dtype, interpret, splits):
+    """The down kernel of `rows_ffn` over input rows: position p adds xs[:, p] ([B, n] f32) times
+    row ids[p] of flat [K, ≥out_features] where keep[p] == 1 (not loaded otherwise)."""
+    batch, n = xs.shape
     chunks = -(-n // CHUNK)
     pad = chunks * CHUNK - n
-    xs = jnp.pad((x[:, sel.ids].astype(jnp.float32) * mask.T), ((0, 0), (0, pad)))  # [B, U]
+    xs = jnp.pad(xs, ((0, 0), (0, pad)))
     d_tiles = -(-out_features // D_TILE)
     splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
     kernel = functools.partial(
-        _down_kernel, batch=batch, d=out_features, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=x.dtype
+        _down_kernel, batch=batch, d=out_features, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=dtype
     )
     parts = pl.pallas_call(
         kernel,
@@ -232,8 +258,8 @@ def gather_matvec(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="input_rows",
-    )(xs, rows.values.reshape(k, lines * 128), jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad)))
+    )(xs, flat, jnp.pad(ids, (0, pad), mode="edge"), jnp.pad(keep, (0, pad)))
     y = parts.sum(axis=0)
-    if rows.scale is not None:
-        y = y * rows.scale[:, :out_features]
-    return y.astype(x.dtype)
+    if scale is not None:
+        y = y * scale[:, :out_features]
+    return y.astype(dtype)

@@ -154,6 +154,14 @@ def input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
     return InputRows(values, jnp.pad(scale[:, 0].astype(jnp.float32), (0, lines * 128 - n), constant_values=1.0)[None])
 
 
+def stacked_input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
+    """S matrices W [S, n, k] (+ int8 scales [S, n, 1]) -> `InputRows` values [S, k, L, 128]
+    (scale [S, 1, L·128]): per-layer input-major copies, read by `masked_selection` at a layer."""
+    if w.ndim != 3:
+        raise ValueError(f"W of shape {tuple(w.shape)} is not a stack of matrices [S, n, k]")
+    return jax.vmap(input_layout)(w) if scale is None else jax.vmap(input_layout)(w, scale)
+
+
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     """The gate activation by its config name, in the operations both Mosaic and Triton lower
     (tanh-GELU written out: ``jax.nn.gelu``'s power op is not one of them everywhere)."""
@@ -204,6 +212,44 @@ def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tupl
         )
     check_x(x, k)
     return k, lines
+
+
+class MaskedInputs(NamedTuple):
+    """What an input-masked matvec reads: values [S·k, L, 128] (every layer's rows: a reshape),
+    this layer's scale [1, L·128] or None, ids [k] (this layer's rows, in input order), keep [k]
+    int32 (an input active in any row), xs [k, B] (each row's x where active, else 0)."""
+
+    values: jax.Array
+    scale: jax.Array | None
+    ids: jax.Array
+    keep: jax.Array
+    xs: jax.Array
+
+
+def masked_selection(rows: "InputRows", x: jax.Array, active: jax.Array, out_features: int, layer=None) -> MaskedInputs:
+    """An input mask -> `MaskedInputs` (TEAL's sparsity: the positions are the inputs in order, so
+    x is neither sorted nor gathered). rows: [k, L, 128], or a stack [S, k, L, 128] read at
+    ``layer`` (int32, traced or not, clamped into [0, S)); x [B, k]; active [k] or [B, k] bool."""
+    stacked = rows.values.ndim == 4
+    values = rows.values if stacked else rows.values[None]
+    if values.ndim != 4 or values.shape[-1] != 128 or values.shape[-2] != channel_lines(out_features):
+        raise ValueError(
+            f"rows of shape {tuple(rows.values.shape)} do not hold {out_features} outputs; expected [k, "
+            f"{channel_lines(out_features)}, 128] or a stack [S, k, {channel_lines(out_features)}, 128] (ffn_layout.stacked_input_layout)"
+        )
+    if stacked and layer is None:
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} are a stack of layers: pass layer=")
+    n_layers, k = values.shape[0], values.shape[1]
+    check_x(x, k)
+    if tuple(active.shape) not in ((k,), tuple(x.shape)):
+        raise ValueError(f"active of shape {tuple(active.shape)} does not fit x {tuple(x.shape)}; expected [{k}] or [B, {k}]")
+    active = jnp.broadcast_to(active.astype(bool), x.shape)
+    layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, n_layers - 1)
+    scale = None if rows.scale is None else (rows.scale[layer] if stacked else rows.scale)
+    ids = jnp.arange(k, dtype=jnp.int32) + layer * k
+    keep = jnp.any(active, axis=0).astype(jnp.int32)
+    xs = jnp.where(active, x, jnp.zeros((), x.dtype)).T
+    return MaskedInputs(values.reshape(n_layers * k, *values.shape[2:]), scale, ids, keep, xs)
 
 
 def check_block(block: int, rows: int) -> None:

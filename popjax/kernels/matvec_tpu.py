@@ -2,13 +2,15 @@
 only x's active inputs, reading only those inputs' columns of W, for x [B, k] (B 1–64).
 
 TEAL zeroes the inputs |x_i| ≤ t_x of gate/up and the channels |H_j| ≤ t_h of down, so its
-decode FFN is two calls of `gather_matvec` on input-major weights (`ffn_layout.InputRows`):
+decode FFN is two calls of `masked_matvec` on input-major weights (`ffn_layout.InputRows`, a
+stack of every layer's, `ffn_layout.stacked_input_layout`):
 
-    gu = gather_matvec(x, input_layout(gate_up.reshape(2f, d)), active_x, out_features=2f)
+    gu = masked_matvec(x, gate_up_rows, |x| > t_x, out_features=2f, layer=l)
     H  = act(gu[:, :f]) * gu[:, f:]
-    y  = gather_matvec(H, input_layout(down), active_h, out_features=d)
+    y  = masked_matvec(H, down_rows, |H| > t_h, out_features=d, layer=l)
 
-as TEAL's own Triton kernel reads W's transpose. The rows are fetched with the same
+as TEAL's own Triton kernel reads W's transpose. `gather_matvec` takes a list of inputs instead
+of a mask (channel POP's selected candidates). The rows are fetched with the same
 double-buffered per-row DMAs as `ffn_tpu.gather_ffn` (`ffn_tpu.fetch_rows`); a batch is served
 as the union of its rows' active inputs, a row adding only its own (its x there, else 0).
 
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .ffn_layout import (InputRows, block_matvec_bytes, channel_lines, check_block, check_input_rows, counted_blocks,
-                         gather_matvec_bytes, select_channels)
+                         gather_matvec_bytes, masked_selection, select_channels)
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
 
 
@@ -79,48 +81,83 @@ def gather_matvec(
     n = ``out_features``): ids [m] for every row (ids[:count] active, `ffn_layout`'s contract)
     or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing."""
     k, lines = check_input_rows(rows, x, out_features)
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be a positive number of inputs per step")
-    batch, width = x.shape[0], lines * 128
-    sel = select_channels(ids, k, batch, count)
-    n = sel.ids.shape[0]
-    steps = -(-n // chunk)
-    pad = steps * chunk - n
+    sel = select_channels(ids, k, x.shape[0], count)
     mask = sel.keep[:, None].astype(x.dtype) if sel.mask is None else sel.mask.astype(x.dtype)
     xs = x[:, sel.ids].T * mask  # [n, B]: each position's input value, 0 where not chosen
-    xs = jnp.pad(xs, ((0, pad), (0, 0))).reshape(steps, chunk, batch).transpose(0, 2, 1)
-    est = matvec_vmem_bytes(batch, chunk, out_features, rows.values.dtype, x.dtype)
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_matvec (B={batch}, chunk={chunk}, n={out_features}, {rows.values.dtype})")
+    n = sel.ids.shape[0]
+    return _rows_matvec(xs, sel.ids, sel.keep, rows.values, rows.scale, out_features=out_features, rows_read=n,
+                        chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
 
-    scaled = rows.scale is not None
+
+def masked_matvec(
+    x: jax.Array,
+    rows: InputRows,
+    active: jax.Array,
+    *,
+    out_features: int,
+    layer: int | jax.Array | None = None,
+    expected_active: int | None = None,
+    chunk: int = 64,
+    interpret: bool | pltpu.InterpretParams = False,
+    chip: str = "v5e",
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """y [B, n] = W · (x where ``active``) for x [B, k], reading only the rows of the inputs some
+    row keeps (TEAL: ``active`` = |x| > t): rows `InputRows` [k, L, 128] or a stack of layers
+    [S, k, L, 128] read at ``layer`` (`ffn_layout.masked_selection`: the kernel's fetch ids point
+    into the whole stack, so no layer is sliced out first). ``expected_active`` (default k): the
+    inputs a call is expected to keep, for the compiler's cost estimate (the kernel's own count
+    at the method's target sparsity; what it reads is data-dependent)."""
+    sel = masked_selection(rows, x, active, out_features, layer)
+    k = sel.ids.shape[0]
+    return _rows_matvec(sel.xs, sel.ids, sel.keep, sel.values, sel.scale, out_features=out_features,
+                        rows_read=k if expected_active is None else min(expected_active, k),
+                        chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
+
+
+def _rows_matvec(xs, ids, keep, values, scale, *, out_features, rows_read, chunk, interpret, chip, vmem_limit_bytes):
+    """The row-DMA matvec: position p adds xs[p] (x's values [n, B]) times row ids[p] of values
+    [K, L, 128] when keep[p] == 1 (its DMA skipped otherwise) -> y [B, out_features]."""
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be a positive number of inputs per step")
+    n, batch = xs.shape
+    lines = values.shape[1]
+    width = lines * 128
+    steps = -(-n // chunk)
+    pad = steps * chunk - n
+    xs = jnp.pad(xs, ((0, pad), (0, 0))).reshape(steps, chunk, batch).transpose(0, 2, 1)
+    est = matvec_vmem_bytes(batch, chunk, out_features, values.dtype, xs.dtype)
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_matvec (B={batch}, chunk={chunk}, n={out_features}, {values.dtype})")
+
+    scaled = scale is not None
     in_specs = [pl.BlockSpec((None, batch, chunk), lambda i, ids, keep: (i, 0, 0))]
     args = [xs]
     if scaled:
         in_specs.append(pl.BlockSpec((1, width), lambda i, ids, keep: (0, 0)))
-        args.append(rows.scale)
+        args.append(scale)
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    args.append(rows.values)
+    args.append(values)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(steps,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((batch, width), lambda i, ids, keep: (0, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, chunk, lines, 128), rows.values.dtype),
+            pltpu.VMEM((2, chunk, lines, 128), values.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((batch, width), jnp.float32),
         ],
     )
-    traffic = gather_matvec_bytes(n, n, chunk, out_features, batch, rows.values.dtype, x.dtype)
+    traffic = gather_matvec_bytes(rows_read, n, chunk, out_features, batch, values.dtype, xs.dtype)
     y = pl.pallas_call(
         functools.partial(_matvec_kernel, chunk=chunk, steps=steps, scaled=scaled),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((batch, width), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, width), xs.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
-        cost_estimate=pl.CostEstimate(flops=2 * batch * width * n, transcendentals=0, bytes_accessed=traffic),
+        cost_estimate=pl.CostEstimate(flops=2 * batch * width * rows_read, transcendentals=0, bytes_accessed=traffic),
         interpret=interpret,
         name="gather_matvec",
-    )(jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad)), *args)
+    )(jnp.pad(ids, (0, pad), mode="edge"), jnp.pad(keep, (0, pad)), *args)
     return y[:, :out_features]
 
 

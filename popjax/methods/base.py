@@ -102,9 +102,14 @@ def gate_up_blocks(model) -> list[np.ndarray]:
     return [layers[l]["mlp"]["gate_up"] for l in range(cfg.num_hidden_layers)]
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    """MethodError naming ``value`` unless it is one of ``choices``."""
+    if value not in choices:
+        raise MethodError(f"{name}={value!r} is not one of {choices}")
+
+
 def check_aggregate(aggregate: str) -> None:
-    if aggregate not in AGGREGATES:
-        raise MethodError(f"aggregate={aggregate!r} is not one of {AGGREGATES}")
+    check_choice("aggregate", aggregate, AGGREGATES)
 
 
 def check_global_ratio(ratio: float) -> None:

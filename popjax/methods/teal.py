@@ -44,10 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..loaded import unrolled
 from ..calibration import Statistic, calibrate, histogram_quantile, log_histogram
 from ..models.config import ModelConfig
-from .base import gate_activation, DensePlan, MethodError, Plan, activations, dot, down_proj, resolve_corpus
+from .base import gate_activation, DensePlan, MethodError, Plan, activations, check_choice, dot, down_proj, resolve_corpus
+from .input_rows import input_rows_data, kernel_activations, kernel_down, kernel_weights_read, resolve_kernel
 from .activation_sparsity import THRESHOLD_AGGREGATES, DensePrefillPlan, SparsityBudget, batch_scores, check_threshold_aggregate  # noqa: F401 (re-exported)
 
 
@@ -209,19 +211,35 @@ class TEALPlan(DensePrefillPlan):
     name: ClassVar[str] = "teal"
     sparsity: float = 0.0  # target on both tensors
     aggregate: str = "max"
+    # what reads the kept inputs' weight rows at decode (`popjax.kernels.RESOLVED`, resolved at
+    # bind by `kernels.choose`): "xla" (masks before dense matmuls) or a Pallas kernel reading
+    # only the kept rows of the input-major copies in ``w.data["rows"]`` (`input_rows`)
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
         layer, block, t = w.layer, w.block, w.data["thresholds"]
+        d, keep = x.shape[-1], 1.0 - self.sparsity
         keep_x, dens_x = threshold_keep(x, valid, layer_threshold(t["x"], layer, block), self.aggregate)
-        h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))
+        if self.kernel == "xla":
+            h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))
+        else:
+            h = kernel_activations(w, x, keep_x, f=self.f, expected_active=round(d * keep), kernel=self.kernel)
         keep_h, dens_h = threshold_keep(h, valid, layer_threshold(t["h"], layer, block), self.aggregate)
-        y = down_proj(jnp.where(keep_h, h, 0), w.down)
+        if self.kernel == "xla":
+            y = down_proj(jnp.where(keep_h, h, 0), w.down)
+        else:
+            y = kernel_down(w, h, keep_h, d=d, expected_active=self.n_keep, kernel=self.kernel)
         return y, state, {"density": (2 * dens_x + dens_h) / 3, "density_x": dens_x, "density_h": dens_h}
 
     def ffn_weights_read(self, d: int) -> int:
-        """At the target sparsity: gate/up columns of kept x entries, down columns of kept H."""
-        return round(3 * d * self.f * (1.0 - self.sparsity))
+        """At the target sparsity: gate/up columns of kept x entries, down columns of kept H
+        (the TPU kernel reads whole rows: `input_rows.kernel_weights_read`)."""
+        keep = 1.0 - self.sparsity
+        return kernel_weights_read(self.kernel, d, self.f, d * keep, self.f * keep)
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 2 * self.ffn_weights_read(d)
@@ -233,14 +251,32 @@ class TEAL(ThresholdMethod):
     ``.calibrate(model)`` (see the module docstring)."""
 
     name: ClassVar[str] = "teal"
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
 
     def targets(self, cfg):
         s = self.sparsity(cfg)
         return {"x": ("x", s), "h": ("h", s)}
+
+    def resolved_kernel(self, cfg: ModelConfig) -> str:
+        """What the decode step runs (`input_rows.resolve_kernel`)."""
+        return resolve_kernel("TEAL", self.kernel, cfg)
 
     def bind(self, cfg: ModelConfig) -> Plan:
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)
         self._thresholds_for(cfg)  # an unprepared or mismatched method fails here, as it always has
-        return TEALPlan(f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate)
+        return TEALPlan(f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg))
+
+    def data(self, model) -> dict | None:
+        """`ThresholdMethod.data`, and with a Pallas kernel ``"rows"``: the model's FFN weights
+        as input-major copies (`input_rows.input_rows_data`, built once per model): a second
+        copy of the FFN weights, which the decode steps read instead of the model's."""
+        data = super().data(model)
+        if data is None or self.resolved_kernel(model.config) == "xla":
+            return data
+        return {**data, "rows": input_rows_data(model)}

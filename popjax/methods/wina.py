@@ -42,11 +42,13 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from .. import calibration
+from .. import calibration, kernels
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, FittedArrays, block_rows, gate_up_blocks, MethodError, Plan, activations, down_proj, gate_activation
+from .base import (DensePlan, FittedArrays, block_rows, check_choice, gate_up_blocks, MethodError, Plan, activations, down_proj,
+                   gate_activation)
+from .input_rows import input_rows_data, kernel_activations, kernel_down, kernel_weights_read, resolve_kernel
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
 
 WEIGHT_NORMS = ("both", "x")
@@ -62,21 +64,33 @@ class WINAPlan(DensePrefillPlan):
     aggregate: str = "per_token"
     weight_norms: str = "both"
     blocks: int = 0  # block slots per layer of a MoE model, 0: dense
+    # what reads the kept inputs' weight rows (`popjax.kernels.RESOLVED`): "xla" (masks before
+    # dense matmuls) or a Pallas kernel on the input-major copies in ``w.data["rows"]`` (`input_rows`)
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
         c = w.data["wina"]["x_norm"][table_row(w, self.blocks)]  # [d]
         keep_x = top_k_mask(jnp.abs(x.astype(jnp.float32)) * c, valid, self.k_x, self.aggregate)
-        h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))  # [B, 1, f]
+        if self.kernel == "xla":
+            h = activations(w.gate_up, jnp.where(keep_x, x, 0), gate_activation(w))  # [B, 1, f]
+        else:
+            h = kernel_activations(w, x, keep_x, f=self.f, expected_active=self.k_x, kernel=self.kernel)
         scores = jnp.abs(h.astype(jnp.float32))
         if self.weight_norms == "both":
             scores = scores * w.down_norm
         keep_h = top_k_mask(scores, valid, self.n_keep, self.aggregate)
-        return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
+        if self.kernel == "xla":
+            return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
+        return kernel_down(w, h, keep_h, d=x.shape[-1], expected_active=self.n_keep, kernel=self.kernel), state, {}
 
     def ffn_weights_read(self, d: int) -> int:
-        """A sparse kernel's read: the kept columns of gate and up (2·f·k_x), of down (d·n_keep)."""
-        return 2 * self.f * self.k_x + d * self.n_keep
+        """A sparse kernel's read: the kept columns of gate and up (2·f·k_x), of down (d·n_keep)
+        (the TPU kernel reads whole rows: `input_rows.kernel_weights_read`)."""
+        return kernel_weights_read(self.kernel, d, self.f, self.k_x, self.n_keep)
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 2 * self.ffn_weights_read(d)
@@ -111,15 +125,20 @@ class WINA(SparsityBudget):
         sparsity s = 1 − n_keep/f on both of its inputs; or ``ffn_sparsity``: s itself.
       aggregate: "per_token" (each row its own top k), "max" or "mean" (one mask per batch).
       weight_norms: "both" (x and H scored with their weight norms) or "x" (H by |H| alone).
+      kernel: how a decode step reads the kept inputs' weights: "auto" (the Pallas kernel on TPU
+        and GPU, XLA on a CPU), "xla" (masks before dense matmuls) or "pallas" (input-major
+        copies of the FFN weights, only the kept rows read: `popjax.methods.input_rows`).
     """
 
     name: ClassVar[str] = "wina"
     calibrates: ClassVar[bool] = True  # the column norms, once per model
     weight_norms: str = dataclasses.field(default="both", kw_only=True)
     norms: ColumnNorms | None = dataclasses.field(default=None, kw_only=True, repr=False)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
         if self.weight_norms not in WEIGHT_NORMS:
             raise MethodError(f"WINA: weight_norms={self.weight_norms!r} is not one of {WEIGHT_NORMS}")
         if self.norms is not None and not isinstance(self.norms, ColumnNorms):
@@ -142,11 +161,14 @@ class WINA(SparsityBudget):
             raise MethodError(f"WINA: {self.norms!r} do not fit this model ((layers{' × block slots' if blocks else ''}, d) = {want}): prepare it on this model")
         k_x = max(1, round(d * (1.0 - s)))
         return WINAPlan(f=f, n_keep=round(f * (1.0 - s)), k_x=k_x, aggregate=self.aggregate,
-                        weight_norms=self.weight_norms, blocks=blocks)
+                        weight_norms=self.weight_norms, blocks=blocks, kernel=resolve_kernel("WINA", self.kernel, cfg))
 
     def data(self, model) -> dict | None:
-        """``{"wina": {"x_norm": [L, d] float32}}`` ([L · slots, d] on a MoE model); None when
-        the budget prunes nothing."""
-        if not isinstance(self.bind(model.config), WINAPlan):
+        """``{"wina": {"x_norm": [L, d] float32}}`` ([L · slots, d] on a MoE model), and with a
+        Pallas kernel ``"rows"`` (`input_rows.input_rows_data`); None when the budget prunes
+        nothing."""
+        plan = self.bind(model.config)
+        if not isinstance(plan, WINAPlan):
             return None
-        return {"wina": {"x_norm": jnp.asarray(self.norms.norms)}}
+        data = {"wina": {"x_norm": jnp.asarray(self.norms.norms)}}
+        return data if plan.kernel == "xla" else {**data, "rows": input_rows_data(model)}

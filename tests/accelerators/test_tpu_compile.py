@@ -91,8 +91,17 @@ def test_core_methods_compile_for_a_v5e_slice(tmp_path):
     # static reads fewer weights per step than dense in the TPU program too, and no method
     # state beyond its compact copy; its ideal bytes follow the ratio
     assert records["static"]["decode_step"]["bytes_accessed"] < dense["decode_step"]["bytes_accessed"]
-    for name in CORE:
+    for name in ("pop", "static"):
         assert records[name]["vs_dense"]["ideal_bytes"] < 1.0, name
+    # TEAL through the Mosaic kernel: two custom calls per layer (gate/up, then down); a row it
+    # reads is whole lines of 128 lanes (1024 for d = 64 here), so its ideal is above dense on
+    # this tiny model, and below it at real widths (docs/kernels.md, "TEAL's wiring")
+    assert records["teal"]["kernel"] == "pallas-tpu"
+    # its copies are method data the device holds beside the weights (the step's own arguments
+    # leave the FFN weights out: it does not read them), counted in what must fit
+    teal = records["teal"]["arguments"]
+    assert teal["method_data"] > 0 and records["teal"]["held"] == sum(teal.values())
+    assert (tmp_path / "teal-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == 2 * cfg.num_hidden_layers
     assert records["dense"]["vs_dense"]["estimated_speedup"] == 1.0
     assert records["pop"]["arguments"]["method_state"] > 0  # POP's partition state travels with the carry
     # "auto" bound for the TPU: the Mosaic kernel, a custom call per layer inside the shard_map every device runs
@@ -114,7 +123,7 @@ def test_every_registry_method_compiles_its_decode_step():
     for record in report["records"]:
         assert set(record["programs"]) == {"decode_step"}
         _check_record(record, report)
-    assert format_report(report).splitlines()[3].split()[6] == "n/c"  # the prefill column: not compiled
+    assert format_report(report).splitlines()[3].split()[7] == "n/c"  # the prefill column: not compiled
 
 
 @pytest.mark.parametrize("family, weights, mesh, scan", [

@@ -10,6 +10,7 @@ Run: ``python -m pytest -q tests/scale/test_sharding.py``; the 8-device worker a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -147,7 +148,6 @@ def test_unknown_logical_axis_and_parameter_are_errors():
                                         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
     assert sharding.param_axes("layers.1.mlp.experts.gate_up", moe) == ("experts", "mlp_pair", "mlp", "embed")
     # int8 scales declare their weight's axes, none on the input axis
-    import dataclasses
 
     assert sharding.param_axes("layers.0.mlp.gate_up_scale", dataclasses.replace(tiny_config(), weights="int8")) == ("mlp_pair", "mlp", None)
 
@@ -289,7 +289,6 @@ def test_pop_per_shard_with_one_shard_is_global_pop():
 
 
 def test_pop_partition_errors_and_mesh_default():
-    import dataclasses
 
     import pytest
 
@@ -362,6 +361,7 @@ def other_methods(model):
                              ("glass", popjax.GLASS(0.3, aggregate="per_sequence")), ("larosa", popjax.LaRoSa(0.3)),
                              ("principal-teal", popjax.PrincipalTEAL(0.3, rank=2))):
             out[name] = method.calibrate(model, corpus, cache=False)  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
+        out["teal-pallas"] = dataclasses.replace(out["teal"], kernel="pallas")  # its replicated copies, the kernel on every device
         from popjax.methods.wanda_sp import ChannelSelection
 
         cfg, rng = model.config, np.random.default_rng(5)
@@ -483,7 +483,6 @@ def int8_on_meshes(cfg, tree, tokens, mask, targets) -> dict:
     (2, 4) mesh the log-probabilities of the methods that read int8 rows split over the model
     axis (the whole weights, kept rows, per-shard blocks). The per-sequence gather of int8 rows
     is test_int8.py's, on one device; its split is the float model's, above."""
-    import dataclasses
 
     from flax import nnx
 

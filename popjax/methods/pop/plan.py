@@ -37,7 +37,7 @@ from ...kernels.int8 import Int8Weight, empty_along
 from ...sharding import pad_ids
 from ..prompt_tokens import scoring_tokens
 from ..base import (
-    gate_activation, copy_candidates, AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
+    gate_activation, check_choice, copy_candidates, AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
     step_importance, take_channels, take_gate_up,
 )
 
@@ -330,9 +330,3 @@ class POPPlan(AggregatedPlan):
 
     def ffn_weights_read(self, d: int) -> int:
         return self.band.weights_read(self, d)
-
-
-def check_choice(name: str, value, choices: tuple) -> None:
-    """MethodError naming ``value`` unless it is one of ``choices``."""
-    if value not in choices:
-        raise MethodError(f"{name}={value!r} is not one of {choices}")

@@ -1,0 +1,94 @@
+"""The decode FFN of the methods that mask the MLP's inputs per token (TEAL, WINA) through a
+Pallas kernel that reads only the kept inputs' weight rows (docs/kernels.md, "TEAL's wiring").
+
+A zero input skips a *column* of the weights, so the kernel reads them input-major (row i =
+the column input i multiplies), as TEAL's own Triton kernel reads W's transpose. A step is two
+calls of `popjax.kernels.decode_ffn.masked_matvec`:
+
+    gu = masked_matvec(x, rows["gate_up"], keep_x, out_features=2f, layer=l)   # gate, then up
+    H  = act(gu[:, :f]) ⊙ gu[:, f:]
+    y  = masked_matvec(H, rows["down"], keep_h, out_features=d, layer=l)
+
+``rows`` (`input_rows_data`) are every layer's FFN weights in that layout, a second copy of
+them built once per model and passed into the compiled programs as the method's data: the
+decode step reads the copies, prefill (dense) the model's own. A method with a ``kernel``
+hyper-parameter resolves it with `resolve_kernel` and calls `kernel_activations` and
+`kernel_down` where its XLA path multiplies masked inputs by the dense weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .. import kernels
+from ..kernels.decode_ffn import masked_matvec
+from ..kernels.ffn_layout import InputRows, channel_lines, stacked_input_layout
+from ..models.config import ModelConfig
+from ..models.interface import FFNStack
+from .base import MethodError, gate_activation
+
+
+def resolve_kernel(method: str, kernel: str, cfg: ModelConfig) -> str:
+    """A method's ``kernel`` ("auto", "xla", "pallas") -> what its decode step runs
+    (`popjax.kernels.RESOLVED`): "auto" is XLA on a CPU and on a model without one stack of equal
+    dense FFNs (a mixture of experts, per-layer widths), where "pallas" is a MethodError."""
+    uniform = cfg.moe is None and cfg.intermediate_sizes is None
+    if kernel == "pallas" and not uniform:
+        raise MethodError(f"{method}: kernel='pallas' reads a stack of equal dense FFN weights, which this {cfg.model_type} "
+                          "model (mixture-of-experts or per-layer widths) does not have; use kernel='xla' or 'auto'")
+    return kernels.choose(kernel) if uniform else "xla"
+
+
+def input_rows_data(model) -> dict[str, InputRows]:
+    """The model's FFN weights in the kernel's layout (`input_major_rows`), built once per model
+    (``model.derived``; shared by every method that reads them) and, on a mesh, replicated: every
+    device runs the kernel on whole copies (`kernels.decode_ffn.per_device`), placed once here so
+    that no step gathers them."""
+    def build(m):
+        rows = input_major_rows(m.ffn_stack())
+        return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
+
+    return model.derived("input_major_rows", build)
+
+
+def input_major_rows(stack: FFNStack) -> dict[str, InputRows]:
+    """Every layer's FFN in `ffn_layout.stacked_input_layout`: gate/up as one matrix [2f, d]
+    (outputs gate then up), values [L, d, L_gu, 128], and down, values [L, f, L_d, 128]; int8
+    keeps the per-output-channel scales ([L, 1, L·128])."""
+    L, _, f, d = stack.gate_up.shape
+    gate_up_scale = None if stack.gate_up_scale is None else stack.gate_up_scale.reshape(L, 2 * f, 1)
+    return {"gate_up": stacked_input_layout(stack.gate_up.reshape(L, 2 * f, d), gate_up_scale),
+            "down": stacked_input_layout(stack.down, stack.down_scale)}
+
+
+def kernel_activations(w, x: jax.Array, keep_x: jax.Array, *, f: int, expected_active: int, kernel: str) -> jax.Array:
+    """H = act(x W_gᵀ) ⊙ x W_uᵀ over x's kept inputs only: x [B, 1, d], keep_x broadcastable to
+    it -> [B, 1, f], from the kept rows of the layer's input-major gate/up copy
+    (``w.data["rows"]``). ``expected_active``: the inputs kept at the method's target, for the
+    TPU compiler's cost estimate."""
+    gu = masked_matvec(x[:, 0], w.data["rows"]["gate_up"], _mask(keep_x, x), out_features=2 * f, layer=w.layer,
+                       expected_active=expected_active, kernel=kernel)
+    return (gate_activation(w)(gu[:, :f]) * gu[:, f:])[:, None]
+
+
+def kernel_down(w, h: jax.Array, keep_h: jax.Array, *, d: int, expected_active: int, kernel: str) -> jax.Array:
+    """y = W_d · (H where keep_h): h [B, 1, f] -> [B, 1, d], from the kept channels' rows of the
+    layer's input-major down copy."""
+    return masked_matvec(h[:, 0], w.data["rows"]["down"], _mask(keep_h, h), out_features=d, layer=w.layer,
+                         expected_active=expected_active, kernel=kernel)[:, None]
+
+
+def kernel_weights_read(kernel: str, d: int, f: int, inputs: float, channels: float) -> int:
+    """Weight elements a step reads with ``inputs`` of x's d entries and ``channels`` of H's f
+    kept: 2f·inputs + d·channels; the TPU kernel (and interpret mode) reads each row whole, its
+    L·128 lanes (`ffn_layout.channel_lines`: 2f and d exactly on the 8B)."""
+    if kernel in ("pallas-tpu", "pallas-interpret"):
+        return round((inputs * channel_lines(2 * f) + channels * channel_lines(d)) * 128)
+    return round(2 * f * inputs + d * channels)
+
+
+def _mask(keep: jax.Array, v: jax.Array) -> jax.Array:
+    """A keep mask broadcastable to v [B, 1, n] -> the kernel's [B, n]."""
+    return jnp.broadcast_to(keep, v.shape)[:, 0]
