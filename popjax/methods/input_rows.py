@@ -1,4 +1,5 @@
-"""The decode FFN of the methods that mask the MLP's inputs per token (TEAL, WINA) through a
+"""The decode FFN of the methods that mask the MLP's inputs per token (TEAL, WINA, principal
+TEAL's residual) through a
 Pallas kernel that reads only the kept inputs' weight rows (docs/kernels.md, "TEAL's wiring").
 
 A zero input skips a *column* of the weights, so the kernel reads them input-major (row i =
@@ -63,14 +64,23 @@ def input_major_rows(stack: FFNStack) -> dict[str, InputRows]:
             "down": stacked_input_layout(stack.down, stack.down_scale)}
 
 
-def kernel_activations(w, x: jax.Array, keep_x: jax.Array, *, f: int, expected_active: int, kernel: str) -> jax.Array:
-    """H = act(x W_gᵀ) ⊙ x W_uᵀ over x's kept inputs only: x [B, 1, d], keep_x broadcastable to
-    it -> [B, 1, f], from the kept rows of the layer's input-major gate/up copy
+def kernel_gate_up(w, x: jax.Array, keep_x: jax.Array, *, f: int, expected_active: int, kernel: str) -> jax.Array:
+    """x W_guᵀ over x's kept inputs only: x [B, 1, d], keep_x broadcastable to it -> [B, 1, 2f]
+    (gate, then up), from the kept rows of the layer's input-major gate/up copy
     (``w.data["rows"]``). ``expected_active``: the inputs kept at the method's target, for the
     TPU compiler's cost estimate."""
-    gu = masked_matvec(x[:, 0], w.data["rows"]["gate_up"], _mask(keep_x, x), out_features=2 * f, layer=w.layer,
-                       expected_active=expected_active, kernel=kernel)
-    return (gate_activation(w)(gu[:, :f]) * gu[:, f:])[:, None]
+    return masked_matvec(x[:, 0], w.data["rows"]["gate_up"], _mask(keep_x, x), out_features=2 * f, layer=w.layer,
+                         expected_active=expected_active, kernel=kernel)[:, None]
+
+
+def kernel_activations(w, x: jax.Array, keep_x: jax.Array, *, f: int, expected_active: int, kernel: str) -> jax.Array:
+    """H = act(x W_gᵀ) ⊙ x W_uᵀ over x's kept inputs only (`kernel_gate_up`) -> [B, 1, f]."""
+    return gated(w, kernel_gate_up(w, x, keep_x, f=f, expected_active=expected_active, kernel=kernel), f)
+
+
+def gated(w, gu: jax.Array, f: int) -> jax.Array:
+    """[..., 2f] gate then up -> H = act(gate) ⊙ up [..., f] (the layer's activation)."""
+    return gate_activation(w)(gu[..., :f]) * gu[..., f:]
 
 
 def kernel_down(w, h: jax.Array, keep_h: jax.Array, *, d: int, expected_active: int, kernel: str) -> jax.Array:

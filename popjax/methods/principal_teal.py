@@ -30,7 +30,9 @@ they meet the density on average, not exactly per token; the decode aux reports 
 densities. The prompt runs dense. ``aggregate`` as TEAL's ("per_token" default, "max", "mean").
 
 Its data: ``{"principal_teal": {"basis": [L, d, r], "t_e": [L], "t_h": [L]}}`` ([L · slots, ...]
-on a MoE model, one basis and threshold pair per FFN block: `models.moe.table_row`).
+on a MoE model, one basis and threshold pair per FFN block: `models.moe.table_row`); with a
+Pallas ``kernel`` (TPU, GPU) also the folded (W P)ᵀ and TEAL's input-major copies
+(`popjax.methods.input_rows`), which that kernel reads.
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..calibration import Statistic, calibrate, log_histogram
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .activation_sparsity import DensePrefillPlan, SparsityBudget
-from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .base import (DensePlan, FittedArrays, block_rows, check_choice, MethodError, Plan, activations, down_proj, gate_activation,
+                   resolve_corpus)
+from .input_rows import gated, input_rows_data, kernel_down, kernel_gate_up, kernel_weights_read, resolve_kernel
 from .larosa import LaRoSa
 from .teal import block_quantiles, threshold_keep
 
@@ -104,21 +109,38 @@ class PrincipalTEALPlan(DensePrefillPlan):
     k_x: int = 0
     aggregate: str = "per_token"
     blocks: int = 0
+    # "xla", or a Pallas kernel reading the kept residual inputs' rows and kept channels' rows of
+    # the input-major copies (`input_rows`), the principal part through ``data["folded"]`` (W P)
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, actual densities: fp32 scalars)."""
         data, row = w.data["principal_teal"], table_row(w, self.blocks)
         principal, rest = principal_split(x, data["basis"][row])
         keep_e, dens_e = threshold_keep(rest, valid, data["t_e"][row], self.aggregate)
-        x_hat = (principal + jnp.where(keep_e, rest, 0.0)).astype(x.dtype)
-        h = activations(w.gate_up, x_hat, gate_activation(w))
+        if self.kernel == "xla":
+            x_hat = (principal + jnp.where(keep_e, rest, 0.0)).astype(x.dtype)
+            h = activations(w.gate_up, x_hat, gate_activation(w))
+        else:  # x̂ W = (x P)(W P)ᵀ + S(e) W: the folded principal columns dense, the kept residual rows by the kernel
+            z = jnp.einsum("bxd,dr->bxr", x.astype(jnp.float32), data["basis"][row])
+            gu = kernel_gate_up(w, rest.astype(x.dtype), keep_e, f=self.f, expected_active=self.k_x - self.rank, kernel=self.kernel)
+            h = gated(w, (jnp.einsum("bxr,rn->bxn", z, data["folded"][row]) + gu).astype(x.dtype), self.f)
         keep_h, dens_h = threshold_keep(h, valid, data["t_h"][row], self.aggregate)
-        y = down_proj(jnp.where(keep_h, h, 0), w.down)
+        if self.kernel == "xla":
+            y = down_proj(jnp.where(keep_h, h, 0), w.down)
+        else:
+            y = kernel_down(w, h, keep_h, d=x.shape[-1], expected_active=self.n_keep, kernel=self.kernel)
         return y, state, {"density_x": dens_e, "density_h": dens_h}
 
     def ffn_weights_read(self, d: int) -> int:
-        """At the target densities: the basis, k_x gate/up columns, n_keep down columns."""
-        return d * self.rank + 2 * self.f * self.k_x + d * self.n_keep
+        """At the target densities: the basis, k_x gate/up columns (the rank principal ones as the
+        folded W P), n_keep down columns (the TPU kernel reads whole rows:
+        `input_rows.kernel_weights_read`)."""
+        principal = d * self.rank + 2 * self.f * self.rank
+        return principal + kernel_weights_read(self.kernel, d, self.f, self.k_x - self.rank, self.n_keep)
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 2 * (d * self.rank + self.ffn_weights_read(d))
@@ -136,6 +158,8 @@ class PrincipalTEAL(SparsityBudget):
       alpha: the input's share of the sparsity (input columns read k_x = round(d(1 − alpha·s)),
         as LaRoSa's ``alpha``), in (0, 2]; the down input takes what the budget leaves.
       aggregate: "per_token" (each row its own mask), "max" or "mean" (one mask per batch).
+      kernel: "auto" (the Pallas kernel on TPU and GPU, XLA on a CPU), "xla" or "pallas": TEAL's
+        kernel on the residual and down input, the principal part through the folded W P.
     """
 
     name: ClassVar[str] = "principal-teal"
@@ -143,9 +167,11 @@ class PrincipalTEAL(SparsityBudget):
     rank: int = dataclasses.field(default=16, kw_only=True)
     alpha: float = dataclasses.field(default=0.9, kw_only=True)
     fit: PrincipalFit | None = dataclasses.field(default=None, kw_only=True, repr=False)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise MethodError(f"PrincipalTEAL: rank={self.rank!r} is invalid; give an integer ≥ 1 (below the kept input columns)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 2.0:
@@ -214,12 +240,23 @@ class PrincipalTEAL(SparsityBudget):
             raise MethodError(f"PrincipalTEAL: {self.fit!r} does not fit this model and budget (basis {want}, densities "
                               f"{self.densities(cfg)}): calibrate on it")
         k_x, k_h = self.sizes(cfg)
-        return PrincipalTEALPlan(f=f, n_keep=k_h, rank=self.rank, k_x=k_x, aggregate=self.aggregate, blocks=blocks)
+        return PrincipalTEALPlan(f=f, n_keep=k_h, rank=self.rank, k_x=k_x, aggregate=self.aggregate, blocks=blocks,
+                                 kernel=resolve_kernel("PrincipalTEAL", self.kernel, cfg))
 
     def data(self, model) -> dict | None:
         """``{"principal_teal": {"basis": [L, d, r], "t_e": [L], "t_h": [L]}}`` float32; None
-        when the budget prunes nothing."""
-        if isinstance(self.bind(model.config), DensePlan):
+        when the budget prunes nothing. With a Pallas kernel also ``"folded"`` [L, r, 2f], the
+        principal columns of gate/up, (W_gu P)ᵀ from the (dequantized) weights, and ``"rows"``
+        (`input_rows.input_rows_data`)."""
+        plan = self.bind(model.config)
+        if isinstance(plan, DensePlan):
             return None
         fit = self.fit
-        return {"principal_teal": {"basis": jnp.asarray(fit.basis), "t_e": jnp.asarray(fit.t_e), "t_h": jnp.asarray(fit.t_h)}}
+        data = {"principal_teal": {"basis": jnp.asarray(fit.basis), "t_e": jnp.asarray(fit.t_e), "t_h": jnp.asarray(fit.t_h)}}
+        if plan.kernel == "xla":
+            return data
+        stack = model.ffn_stack()
+        L, _, f, d = stack.gate_up.shape
+        w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
+        folded = jnp.einsum("lnd,ldr->lrn", w.reshape(L, 2 * f, d), data["principal_teal"]["basis"])
+        return {"principal_teal": {**data["principal_teal"], "folded": folded}, "rows": input_rows_data(model)}

@@ -161,10 +161,12 @@ def gemma(tiny_checkpoints):
 
 
 def _ready(name: str, model, aggregate: str, tmp_path_factory):
-    """TEAL 40% with thresholds calibrated on a small text, or WINA 40% with its column norms,
-    through XLA."""
+    """TEAL 40% (thresholds calibrated on a small text), WINA 40% (its column norms) or principal
+    TEAL 40% (rank 4: bases and thresholds from the small text), through XLA."""
     if name == "wina":
         return popjax.WINA(ratio=0.4, aggregate=aggregate, kernel="xla").prepare(model)
+    if name == "principal-teal":
+        return popjax.PrincipalTEAL(ratio=0.4, rank=4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
     cache = tmp_path_factory.mktemp("teal-calibration")
     return popjax.TEAL(ratio=0.4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
 
@@ -176,7 +178,7 @@ def _logprobs(model, method, prompts, targets) -> np.ndarray:
 # (method, family, layout, aggregate): both FFN activations, the batch's shared mask and per-row
 # masks, and the scanned model, where the layer index the kernel reads at is traced
 CASES = [("teal", "llama", "unrolled", "max"), ("teal", "gemma3", "unrolled", "per_token"), ("teal", "llama", "scanned", "per_token"),
-         ("wina", "llama", "unrolled", "per_token")]
+         ("wina", "llama", "unrolled", "per_token"), ("principal-teal", "gemma3", "unrolled", "per_token")]
 
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)
