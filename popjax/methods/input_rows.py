@@ -1,6 +1,6 @@
 """The decode FFN of the methods that mask the MLP's inputs per token (TEAL, WINA, principal
-TEAL's residual) through a
-Pallas kernel that reads only the kept inputs' weight rows (docs/kernels.md, "TEAL's wiring").
+TEAL's residual) through a Pallas kernel that reads only the kept inputs' weight rows
+(docs/kernels.md, "TEAL's wiring").
 
 A zero input skips a *column* of the weights, so the kernel reads them input-major (row i =
 the column input i multiplies), as TEAL's own Triton kernel reads W's transpose. A step is two
