@@ -264,7 +264,11 @@ def _compile_in_worker(job: tuple) -> dict[str, Any]:
     """`compile_method` in a worker process (``jobs`` > 1): the topology is resolved there again
     (its devices belong to the process that made them)."""
     cfg, name, shape, method, shapes = job
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not log.handlers:  # this module's progress lines only, not every library's INFO (JAX's backend probing)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     target = resolve_topology(name)
     return _compile_logged(cfg, target, topology_mesh(target, shape), method, shapes)
 
