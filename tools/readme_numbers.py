@@ -71,10 +71,33 @@ def speed_table(bench: dict) -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
+TPU_STEPS = ("results/kernels/whole_step_v6e_bf16.json", "results/kernels/whole_step_v6e_bf16_teal.json",
+             "results/kernels/whole_step_v6e_bf16_wina_principal.json")
+
+
+def tpu_table(reports: list[dict], ratio: float = 0.4) -> str:
+    """Llama-3.1-8B's decode step on one v6e as XLA:TPU compiles it (compile-only): bytes per step
+    from its cost model, the estimated tokens/s and both against dense, per method at ``ratio``
+    (dense from the first report; every report compiles the same dense step)."""
+    rows = ["| method (40%) | decode step reads | est. tok/s | vs dense (estimate) | ideal vs dense |", "|---|---|---|---|---|"]
+    records = [reports[0]["records"][0]] + [r for rep in reports for r in rep["records"] if r["ratio"] == ratio]
+    for r in records:
+        step, vs = r["decode_step"], r["vs_dense"]
+        kernel = "Pallas kernel" if r["kernel"] != "xla" else "XLA"
+        name = "dense" if r["name"] == "dense" else f"{r['name']}, {kernel}"
+        rows.append(f"| {name} | {step['bytes_accessed'] / 2**30:.2f} GiB | {step['estimated_tokens_per_s']:.1f} | "
+                    f"{vs['estimated_speedup']:.2f}× | {vs['ideal_speedup']:.2f}× |")
+    note = (f"Llama-3.1-8B, bf16, batch 1, context {reports[0]['context']}, one v6e, compiled by libtpu on a CPU: bytes per "
+            "step are XLA:TPU's cost analysis, tokens/s an **estimate** (bytes over HBM bandwidth), not a measurement. From "
+            + ", ".join(f"`{p}`" for p in TPU_STEPS) + "; commands in docs/kernels.md.")
+    return "\n".join(rows) + "\n\n" + note
+
+
 # block name -> (file, renderer of its body)
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
     "readme-speed": ("README.md", lambda: speed_table(_load(BENCH))),
     "performance-speed": ("docs/performance.md", lambda: speed_table(_load(BENCH))),
+    "readme-tpu": ("README.md", lambda: tpu_table([_load(p) for p in TPU_STEPS])),
 }
 
 
