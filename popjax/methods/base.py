@@ -28,9 +28,8 @@ from ..sharding import pad_ids, take_replicated, take_split, take_split_rows
 AGGREGATES = ("shared", "per_sequence")
 # aggregates under which every row gets its own statistics (its output ignores its batch-mates)
 ROW_AGGREGATES = ("per_sequence", "per_token")
-# Channel indices come from top_k over the channels themselves, so they are always in bounds.
-# jnp.take's default mode ("fill") adds a bounds-check select over every gathered block, a
-# per-step cost; "clip" clamps only the index vector.
+# Channel indices come from top_k over the channels themselves, so they are always in bounds; jnp.take's
+# default mode ("fill") adds a bounds-check select over every gathered block per step, "clip" clamps the ids.
 TAKE_MODE = "clip"
 IN_BOUNDS = "promise_in_bounds"
 
@@ -46,10 +45,8 @@ def ffn_ratio(cfg: ModelConfig, ratio: float) -> float:
     r_ffn = ratio * (p_attn + p_mlp) / p_mlp
     if r_ffn >= 1.0:
         max_ratio = p_mlp / (p_attn + p_mlp)
-        raise MethodError(
-            f"ratio={ratio} needs an FFN ratio of {r_ffn:.3f} ≥ 1 for this model (attention is never "
-            f"pruned); valid global ratios are below {max_ratio:.3f}"
-        )
+        raise MethodError(f"ratio={ratio} needs an FFN ratio of {r_ffn:.3f} ≥ 1 for this model (attention is never "
+                          f"pruned); valid global ratios are below {max_ratio:.3f}")
     return r_ffn
 
 
@@ -60,10 +57,8 @@ def round_half_up(x: float) -> int:
 def kept_channels(cfg: ModelConfig, ratio: float) -> int:
     """n_keep = f − round(r_ffn · f), static per model and ratio."""
     if cfg.intermediate_sizes is not None:
-        raise MethodError(
-            f"pruning methods need one FFN width for all layers; this model was pruned to per-layer widths "
-            f"{list(cfg.intermediate_sizes)} (only dense inference runs on it)"
-        )
+        raise MethodError(f"pruning methods need one FFN width for all layers; this model was pruned to per-layer widths "
+                          f"{list(cfg.intermediate_sizes)} (only dense inference runs on it)")
     f = cfg.intermediate_size
     return f - round_half_up(ffn_ratio(cfg, ratio) * f)
 
