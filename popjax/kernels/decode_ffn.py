@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import RESOLVED, ffn_gpu, matvec_tpu
-from .ffn_layout import InputRows, check_block, counted_blocks
+from .ffn_layout import MAX_BATCH, InputRows, check_block, counted_blocks
 
 
 def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
@@ -54,7 +54,26 @@ def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_featu
                                             expected_active=expected_active, interpret=interpret)
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(call)(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
+    return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
+
+
+def _in_row_chunks(call):
+    """``call(x [B, k], rows, active [B, k] or [k], layer)`` for any B: a batch above the kernels'
+    `ffn_layout.MAX_BATCH` rows runs as consecutive calls of at most that many rows (padded rows
+    masked out; each call reads its own union of kept rows)."""
+    def chunked(x, rows, active, layer):
+        batch = x.shape[0]
+        if batch <= MAX_BATCH:
+            return call(x, rows, active, layer)
+        n = -(-batch // MAX_BATCH)
+        pad = n * MAX_BATCH - batch
+        active = jnp.broadcast_to(active, x.shape)
+        xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, MAX_BATCH, -1)
+        masks = jnp.pad(active, ((0, pad), (0, 0))).reshape(n, MAX_BATCH, -1)
+        ys = jax.lax.map(lambda xm: call(xm[0], rows, xm[1], layer), (xs, masks))
+        return ys.reshape(n * MAX_BATCH, -1)[:batch]
+
+    return chunked
 
 
 def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: int, out_features: int, kernel: str) -> jax.Array:

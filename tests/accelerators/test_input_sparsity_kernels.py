@@ -24,7 +24,7 @@ from popjax import kernels
 from popjax.eval.teacher import teacher_forced
 from popjax.generation import generate_ids
 from popjax.analysis.topologies import resolve_topology
-from popjax.kernels import ffn_gpu, matvec_tpu
+from popjax.kernels import decode_ffn, ffn_gpu, matvec_tpu
 from popjax.kernels.ffn_layout import InputRows, channel_lines, gather_matvec_bytes, stacked_input_layout
 from popjax.kernels.int8 import quantize
 from popjax.loaded import with_scanned_layers
@@ -70,6 +70,18 @@ def test_masked_matvec_reads_one_layer_of_a_stack(gpu, int8):
             np.testing.assert_allclose(got, _reference(x, w[layer], active), atol=2e-5, rtol=1e-5)
     nothing = run(jnp.asarray(x), jnp.zeros(k, bool), jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(nothing), 0.0)
+
+
+def test_a_batch_above_the_kernels_rows_runs_in_chunks():
+    """70 rows (above `ffn_layout.MAX_BATCH` = 64): the dispatch runs chunks of 64, per-row masks."""
+    rng = np.random.default_rng(4)
+    n, k, B = 40, 24, 70
+    w = rng.normal(size=(2, n, k)).astype(np.float32)
+    x = rng.normal(size=(B, k)).astype(np.float32)
+    active = rng.random((B, k)) < 0.5
+    got = decode_ffn.masked_matvec(jnp.asarray(x), stacked_input_layout(jnp.asarray(w)), jnp.asarray(active), out_features=n,
+                                   layer=jnp.int32(1), expected_active=12, kernel="pallas-interpret")
+    np.testing.assert_allclose(np.asarray(got), _reference(x, w[1], active), atol=2e-5, rtol=1e-5)
 
 
 def test_masked_matvec_one_matrix_in_bf16():
