@@ -62,9 +62,14 @@ class LoadedModel:
         return FFNStack(mlp["gate_up"], mlp["down"], mlp.get("gate_up_scale"), mlp.get("down_scale"))
 
 
+def uniform_ffn(cfg: ModelConfig) -> bool:
+    """Whether the model has one dense FFN per layer, all of one width (what `LoadedModel.ffn_stack` stacks)."""
+    return cfg.moe is None and cfg.intermediate_sizes is None
+
+
 def check_uniform_ffn(cfg: ModelConfig) -> None:
     """A stack of FFN weights needs one dense FFN per layer, all of one width."""
-    if cfg.moe is not None or cfg.intermediate_sizes is not None:
+    if not uniform_ffn(cfg):
         kind = "a mixture-of-experts" if cfg.moe is not None else "a per-layer-width"
         raise ValueError(f"{cfg.model_type}: {kind} model has no stack of equal FFN weights (a dense model of uniform width has)")
 

@@ -28,6 +28,9 @@ KERNELS = ("auto", "xla", "pallas")  # what a method's ``kernel`` hyper-paramete
 # what `choose` resolves to: XLA's ops, or the Pallas kernels of one platform; "pallas-interpret"
 # runs the TPU kernels in Pallas' interpret mode (a CPU, when "pallas" is forced: the tests)
 RESOLVED = ("xla", "pallas-tpu", "pallas-gpu", "pallas-interpret")
+# the resolved values that run the TPU kernels (compiled by Mosaic, or in interpret mode): they
+# read a weight row whole, its L·128 lanes (`ffn_layout.channel_lines`)
+TPU_KERNELS = ("pallas-tpu", "pallas-interpret")
 _PALLAS_BACKENDS = {"tpu": "pallas-tpu", "gpu": "pallas-gpu", "cuda": "pallas-gpu"}
 # the platform programs are being compiled for, where it is not JAX's own backend (`compiling_for`)
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("popjax_kernel_target", default=None)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from . import RESOLVED, ffn_gpu, matvec_tpu
+from . import RESOLVED, TPU_KERNELS, ffn_gpu, matvec_tpu
 from .ffn_layout import MAX_BATCH, InputRows, check_block, counted_blocks
 
 
@@ -29,7 +29,7 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     (one of `RESOLVED` but "xla"); ValueError naming any other value."""
     if kernel == "pallas-gpu":
         call = lambda x, rows, ids: ffn_gpu.gather_matvec(x, rows, ids, out_features=out_features)  # noqa: E731
-    elif kernel in ("pallas-tpu", "pallas-interpret"):
+    elif kernel in TPU_KERNELS:
         interpret = kernel == "pallas-interpret"
         call = lambda x, rows, ids: matvec_tpu.gather_matvec(x, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
     else:
@@ -46,7 +46,7 @@ def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_featu
     cost estimate (`matvec_tpu.masked_matvec`)."""
     if kernel == "pallas-gpu":
         call = lambda x, rows, active, layer: ffn_gpu.masked_matvec(x, rows, active, out_features=out_features, layer=layer)  # noqa: E731
-    elif kernel in ("pallas-tpu", "pallas-interpret"):
+    elif kernel in TPU_KERNELS:
         interpret = kernel == "pallas-interpret"
 
         def call(x, rows, active, layer):
@@ -86,7 +86,7 @@ def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: 
         def call(x, rows, block_ids):
             positions = block_positions(block_ids, block, rows.values.shape[0])
             return ffn_gpu.gather_matvec(x, rows, positions, out_features=out_features)
-    elif kernel in ("pallas-tpu", "pallas-interpret"):
+    elif kernel in TPU_KERNELS:
         interpret = kernel == "pallas-interpret"
         call = lambda x, rows, ids: matvec_tpu.block_matvec(x, rows, ids, block=block, out_features=out_features, interpret=interpret)  # noqa: E731
     else:

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import kernels
 from ..kernels.decode_ffn import masked_matvec
 from ..kernels.ffn_layout import InputRows, channel_lines, stacked_input_layout
+from ..loaded import uniform_ffn
 from ..models.config import ModelConfig
 from ..models.interface import FFNStack
 from .base import MethodError, gate_activation
@@ -35,7 +36,7 @@ def resolve_kernel(method: str, kernel: str, cfg: ModelConfig) -> str:
     """A method's ``kernel`` ("auto", "xla", "pallas") -> what its decode step runs
     (`popjax.kernels.RESOLVED`): "auto" is XLA on a CPU and on a model without one stack of equal
     dense FFNs (a mixture of experts, per-layer widths), where "pallas" is a MethodError."""
-    uniform = cfg.moe is None and cfg.intermediate_sizes is None
+    uniform = uniform_ffn(cfg)
     if kernel == "pallas" and not uniform:
         raise MethodError(f"{method}: kernel='pallas' reads a stack of equal dense FFN weights, which this {cfg.model_type} "
                           "model (mixture-of-experts or per-layer widths) does not have; use kernel='xla' or 'auto'")
@@ -94,7 +95,7 @@ def kernel_weights_read(kernel: str, d: int, f: int, inputs: float, channels: fl
     """Weight elements a step reads with ``inputs`` of x's d entries and ``channels`` of H's f
     kept: 2f·inputs + d·channels; the TPU kernel (and interpret mode) reads each row whole, its
     L·128 lanes (`ffn_layout.channel_lines`: 2f and d exactly on the 8B)."""
-    if kernel in ("pallas-tpu", "pallas-interpret"):
+    if kernel in kernels.TPU_KERNELS:
         return round((inputs * channel_lines(2 * f) + channels * channel_lines(d)) * 128)
     return round(2 * f * inputs + d * channels)
 

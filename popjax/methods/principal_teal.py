@@ -58,6 +58,18 @@ from .larosa import LaRoSa
 from .teal import block_quantiles, threshold_keep
 
 
+def basis_digest(basis) -> str:
+    """A fingerprint of calibrated bases (the calibration cache's key, the fold's memo name)."""
+    return hashlib.sha256(np.ascontiguousarray(basis, np.float32).tobytes()).hexdigest()
+
+
+def folded_principal(stack, basis: jax.Array) -> jax.Array:
+    """(W_gu P)ᵀ per layer [L, r, 2f] from the (dequantized) stacked FFN weights and bases [L, d, r]."""
+    L, _, f, d = stack.gate_up.shape
+    w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
+    return jnp.einsum("lnd,ldr->lrn", w.reshape(L, 2 * f, d), basis)
+
+
 def principal_split(x: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., d], basis P [d, r] (orthonormal columns) -> (x P Pᵀ, x − x P Pᵀ), in float32."""
     xf = x.astype(jnp.float32)
@@ -77,8 +89,8 @@ class ResidualHistograms(Statistic):
     blocks: int = 0
 
     def key(self) -> dict[str, Any]:
-        digest = hashlib.sha256(np.ascontiguousarray(self.basis, np.float32).tobytes()).hexdigest()
-        return {"name": self.name, "version": self.version, "fields": f"basis {list(np.shape(self.basis))} {digest}"}
+        fields = f"basis {list(np.shape(self.basis))} {basis_digest(self.basis)}"
+        return {"name": self.name, "version": self.version, "fields": fields}
 
     def collect(self, w, x, valid, h):
         basis = jnp.asarray(self.basis)[table_row(w, self.blocks)]
@@ -255,8 +267,7 @@ class PrincipalTEAL(SparsityBudget):
         data = {"principal_teal": {"basis": jnp.asarray(fit.basis), "t_e": jnp.asarray(fit.t_e), "t_h": jnp.asarray(fit.t_h)}}
         if plan.kernel == "xla":
             return data
-        stack = model.ffn_stack()
-        L, _, f, d = stack.gate_up.shape
-        w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
-        folded = jnp.einsum("lnd,ldr->lrn", w.reshape(L, 2 * f, d), data["principal_teal"]["basis"])
+        basis = data["principal_teal"]["basis"]  # folded once per model and fit, not at every call
+        folded = model.derived(f"principal_teal_folded/{basis_digest(fit.basis)}",
+                               lambda m: folded_principal(m.ffn_stack(), basis))
         return {"principal_teal": {**data["principal_teal"], "folded": folded}, "rows": input_rows_data(model)}

@@ -146,7 +146,7 @@ class ExactScorer(CandidateScorer):
         """Gate/up of R ∪ C, down of the n_keep used: 3d·n_R + 2d·n_C + d·m. The TPU kernel
         (and its interpret mode) reads each selected down row whole, L·128 ≥ d elements
         (`ffn_layout.channel_lines`); the GPU kernel loads only the first d."""
-        width = channel_lines(d) * 128 if plan.kernel in ("pallas-tpu", "pallas-interpret") else d
+        width = channel_lines(d) * 128 if plan.kernel in kernels.TPU_KERNELS else d
         return 2 * d * (plan.n_retained + plan.n_candidates) + d * plan.n_retained + width * plan.m
 
     def flops(self, plan, d):
