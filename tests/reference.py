@@ -56,6 +56,11 @@ def ref_rank(scores):
     return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
 
 
+def ref_top_k(scores, k):
+    """The k entries of largest score (ties: the lower index) as a set."""
+    return set(ref_rank(list(scores))[:k])
+
+
 def ref_sizes(f: int, n_keep: int, gamma: float) -> tuple[int, int, int]:
     """POP's (n_R, n_C, m) as in docs/methods.md §2."""
     m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)

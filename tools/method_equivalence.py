@@ -32,7 +32,6 @@ layout) whether the tokens are equal and the max |Δ log-prob|.
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
 import json
 import os
@@ -40,6 +39,9 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package: its sibling module
+from equivalence_report import compare, describe, encode  # noqa: E402
 
 NEW_TOKENS = 8
 TOL = 1e-6
@@ -99,16 +101,6 @@ def _configure_xla(settings: dict[str, str]) -> None:
         raise RuntimeError("method_equivalence must set XLA's options before jax is imported")
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.update(settings)
-
-
-def _encode(a) -> str:
-    import numpy as np
-    return base64.b64encode(np.ascontiguousarray(a, "<f4").tobytes()).decode()
-
-
-def _decode(s: str):
-    import numpy as np
-    return np.frombuffer(base64.b64decode(s), "<f4")
 
 
 # ----------------------------------------------------------------------------- models
@@ -230,8 +222,8 @@ def run_one(model, method, prompts, images) -> dict:
     logp = np.asarray(logp, np.float32)[: len(prompts)]  # [2, N, V]; dead rows dropped
     argmax = logp.argmax(-1)
     return {"tokens": tokens, "argmax": argmax.tolist(),
-            "target_logprob": _encode(np.take_along_axis(logp, targets[: len(prompts), :, None], -1)[..., 0]),
-            "argmax_logprob": _encode(np.take_along_axis(logp, argmax[..., None], -1)[..., 0])}
+            "target_logprob": encode(np.take_along_axis(logp, targets[: len(prompts), :, None], -1)[..., 0]),
+            "argmax_logprob": encode(np.take_along_axis(logp, argmax[..., None], -1)[..., 0])}
 
 
 def _error(err: Exception) -> str:
@@ -278,58 +270,6 @@ def run_model(name: str, specs: dict[str, dict], layouts: list[str], out: dict, 
         os.environ.pop("POPJAX_CACHE")
     else:
         os.environ["POPJAX_CACHE"] = before
-
-
-def compare_run(want: dict, got: dict, tol: float) -> dict:
-    """One (model, method, layout): equal tokens and argmax ids, max |Δ log-prob|, and ok."""
-    import numpy as np
-
-    if "error" in want:
-        return {"ok": True, "before": "error", "after": "error" if "error" in got else "ran", "error": want["error"],
-                **({"error_now": got["error"]} if "error" in got and got["error"] != want["error"] else {})}
-    if "error" in got:
-        return {"ok": False, "before": "ran", "after": "error", "error": got["error"]}
-    delta = max(float(np.abs(_decode(got[k]) - _decode(want[k])).max()) for k in ("target_logprob", "argmax_logprob"))
-    same = got["tokens"] == want["tokens"] and got["argmax"] == want["argmax"]
-    bits = all(got[k] == want[k] for k in ("target_logprob", "argmax_logprob"))
-    return {"ok": same and delta <= tol, "tokens_equal": got["tokens"] == want["tokens"],
-            "argmax_equal": got["argmax"] == want["argmax"], "max_abs_dlogprob": delta, "bit_identical": bits and same}
-
-
-def compare(reference: dict, current: dict, tol: float) -> dict:
-    """Every run of ``current`` against ``reference``. A scanned run the reference could not make
-    (an error there) that runs now is held to the reference's unrolled run of the same method."""
-    rows = {}
-    for model, methods in current["models"].items():
-        for label, entry in methods.items():
-            for layout, got in entry.items():
-                if layout == "method":
-                    continue
-                want = reference["models"][model][label]
-                if "error" in want[layout] and "error" not in got and "error" not in want.get("unrolled", {"error": ""}):
-                    row = {**compare_run(want["unrolled"], got, tol), "before": "error", "after": "ran", "against": "unrolled",
-                           "error": want[layout]["error"]}
-                else:
-                    row = compare_run(want[layout], got, tol)
-                other = want.get("scanned" if layout == "unrolled" else "unrolled", {"error": ""})
-                if "tokens_equal" in row and "error" not in other:  # a diagnosis: does a path now compute as the other did?
-                    cross = compare_run(other, got, tol)
-                    row["vs_before_other_layout"] = {k: cross[k] for k in ("tokens_equal", "max_abs_dlogprob", "bit_identical")}
-                rows[f"{model} {label} {layout}"] = row
-    failed = sorted(k for k, r in rows.items() if not r["ok"])
-    return {"tol": tol, "runs": len(rows), "failed": failed, "bit_identical": sum(bool(r.get("bit_identical")) for r in rows.values()),
-            "max_abs_dlogprob": max([r.get("max_abs_dlogprob", 0.0) for r in rows.values()], default=0.0), "results": rows}
-
-
-def describe(row: dict) -> str:
-    """One line for a compared run."""
-    text = f"tokens_equal={row['tokens_equal']} max|Δlogp|={row['max_abs_dlogprob']:.3g}" if "tokens_equal" in row else ""
-    if row.get("before") == "ran":
-        return f"ran before, error now: {row['error']}"
-    if "error" in row:
-        held = ", held to the unrolled run" if "against" in row else ""
-        text += f" (error before: {row['error']}; now: {row.get('error_now', row['after'])}{held})"
-    return text.strip()
 
 
 def diagonal(reference: dict, model: str) -> list[str]:

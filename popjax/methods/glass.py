@@ -47,7 +47,8 @@ from ..calibration import Statistic, calibrate
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, gate_activation, rank_channels, resolve_corpus
+from .base import DensePlan, block_rows, MethodError, Plan, RatioMethod, activations, copy_channels, copy_gate_up, down_proj, gate_activation, rank_channels, resolve_corpus
+from .fitted import FittedArrays
 from .griffin import griffin_scores
 from .static import StaticPlan
 

@@ -45,7 +45,8 @@ from ..calibration import Statistic, calibrate
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, FittedArrays, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .base import DensePlan, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .fitted import FittedArrays
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)

@@ -51,8 +51,9 @@ from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .activation_sparsity import DensePrefillPlan, SparsityBudget
-from .base import (DensePlan, FittedArrays, block_rows, check_choice, MethodError, Plan, activations, down_proj, gate_activation,
+from .base import (DensePlan, block_rows, check_choice, MethodError, Plan, activations, down_proj, gate_activation,
                    resolve_corpus)
+from .fitted import FittedArrays
 from .input_rows import gated, input_rows_data, kernel_down, kernel_gate_up, kernel_weights_read, resolve_kernel
 from .larosa import LaRoSa
 from .teal import block_quantiles, threshold_keep

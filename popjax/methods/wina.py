@@ -46,8 +46,9 @@ from .. import calibration, kernels
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import (DensePlan, FittedArrays, block_rows, check_choice, gate_up_blocks, MethodError, Plan, activations, down_proj,
+from .base import (DensePlan, block_rows, check_choice, gate_up_blocks, MethodError, Plan, activations, down_proj,
                    gate_activation)
+from .fitted import FittedArrays
 from .input_rows import input_rows_data, kernel_activations, kernel_down, kernel_weights_read, resolve_kernel
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
 

@@ -138,7 +138,7 @@ def test_auto_is_xla_where_no_kernel_is_wired():
 
 def test_a_sharded_model_keeps_the_kernel():
     """POP.prepare leaves ``kernel`` alone on a mesh: every device runs the kernel on its
-    replicated candidate rows (tests/scale/test_sharding.py runs it on 8 devices)."""
+    replicated candidate rows (tests/scale/eight_devices.py runs it on 8 devices)."""
     sharded = SimpleNamespace(mesh=object())  # what POP.prepare reads of a sharded model
     assert popjax.POP(ratio=0.4).prepare(sharded).kernel == "auto"
     assert popjax.POP(ratio=0.4, kernel="pallas").prepare(sharded).kernel == "pallas"

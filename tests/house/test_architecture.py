@@ -5,7 +5,8 @@
   import inside a function is for an optional heavy dependency, with a comment saying so);
 * no module of the package imports the package root ``popjax``;
 * the model (``models/``) names no pruning method;
-* the project points no reader to a document outside it.
+* the project points no reader to a document outside it;
+* no Python file of the project (package, tests, tools, benchmarks) is over 400 lines.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ def test_the_model_names_no_method():
             if word in text:
                 found.append(f"{path.relative_to(ROOT)}: {word}")
     assert found == [], "the model names pruning methods:\n" + "\n".join(found)
+
+
+MAX_LINES = 400
+
+
+def test_every_python_file_is_at_most_400_lines():
+    """A file a reader can hold: a longer one is split along a seam (its own module), not trimmed."""
+    files = [p for d in (*PACKAGE_DIRS, "tests", "tools", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
+    assert len(lengths) > 100, f"found only {len(lengths)} Python files under {ROOT}"
+    assert {p: n for p, n in lengths.items() if n > MAX_LINES} == {}
 
 
 @pytest.mark.parametrize("pattern", [r"\bSPEC\b ?§", r"\.\./shared", r"\bshared/(SPEC|DESIGN)"])

@@ -19,29 +19,16 @@ from popjax.methods.pop.gate_scored import gate_scored_plan, GateScoredPOP
 from popjax.methods.pop.layer_bands import BandDrift, layer_bands_plan, LayerBandsPOP, allocate_bands, prompt_drift
 from popjax.methods.pop.low_rank import lowrank_plan, LowRankPOP, factors_from_weights, lowrank_data, lowrank_factors
 from popjax.models.config import ModelConfig
+from tests.reference import as_jax, random_layer, silu
+from tests.reference import ref_down_norms as dnorm
+from tests.reference import ref_rank as rank_desc
+from tests.reference import ref_sizes as sizes
 
 ATOL = 1e-5
 D = 16
 
 
 # ------------------------------------------------------------------ the NumPy reference
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def sizes(f, n_keep, gamma):
-    m = min(int(math.floor(gamma * f / 2 + 0.5)), f - n_keep, n_keep)
-    return n_keep - m, 2 * m, m
-
-
-def dnorm(W):
-    return np.array([math.sqrt(sum(v * v for v in row)) for row in W["down"]])
-
-
-def rank_desc(scores):
-    return sorted(range(len(scores)), key=lambda j: (-scores[j], j))
 
 
 def group_norm(values, valid):
@@ -91,17 +78,6 @@ def ref_lowrank_step(W, R, C, x, m, r, project):
 
 
 # ------------------------------------------------------------------ fixtures
-
-
-def random_layer(rng, d, f):
-    return {
-        "gate": rng.normal(0, 0.3, (d, f)),
-        "up": rng.normal(0, 0.3, (d, f)),
-        "down": rng.normal(0, 0.05, (f, d)) * rng.uniform(0.2, 2.0, (f, 1)),
-    }
-
-
-from tests.reference import as_jax  # noqa: E402 — a layer's weights as the engine passes them (FFNWeights), with the method's data
 
 
 def random_batch(rng, d, lengths, T):
@@ -389,12 +365,6 @@ def test_layer_bands_errors():
 
 
 # ------------------------------------------------------------------ through the engine
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoints):
-    directory, _ = tiny_checkpoints("llama-gqa")
-    return popjax.load(directory, cache=False)
 
 
 def test_methods_run_through_the_engine_and_lowrank_factors_are_cached(tiny_model, tmp_path):

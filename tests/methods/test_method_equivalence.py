@@ -35,9 +35,10 @@ TOOL = ROOT / "tools" / "method_equivalence.py"
 REFERENCE = ROOT / "tests" / "data" / "method_equivalence_tiny.json"
 
 
-def _tool():
-    """tools/method_equivalence.py as a module (tools/ is no package); it imports no jax at the top."""
-    spec = importlib.util.spec_from_file_location("method_equivalence", TOOL)
+def _tool(name: str = "method_equivalence"):
+    """tools/<name>.py as a module (tools/ is no package); neither tool imports jax at the top.
+    "equivalence_report": the comparison half."""
+    spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,18 +58,18 @@ def _labels() -> list[str]:
 
 def _run(tool, tokens=((5, 6), (7, 8)), logp=(-1.0, -2.0)) -> dict:
     logp = np.asarray(logp, np.float32)
-    return {"tokens": [list(t) for t in tokens], "argmax": [[1, 2]], "target_logprob": tool._encode(logp),
-            "argmax_logprob": tool._encode(logp)}
+    return {"tokens": [list(t) for t in tokens], "argmax": [[1, 2]], "target_logprob": tool.encode(logp),
+            "argmax_logprob": tool.encode(logp)}
 
 
 def test_equal_runs_pass_and_are_bit_identical():
-    tool = _tool()
+    tool = _tool("equivalence_report")
     row = tool.compare_run(_run(tool), _run(tool), 1e-6)
     assert row["ok"] and row["bit_identical"] and row["max_abs_dlogprob"] == 0.0
 
 
 def test_a_changed_token_or_log_prob_fails():
-    tool = _tool()
+    tool = _tool("equivalence_report")
     assert not tool.compare_run(_run(tool), _run(tool, tokens=((5, 6), (7, 9))), 1e-6)["ok"]
     moved = tool.compare_run(_run(tool), _run(tool, logp=(-1.0, -2.0 + 4e-6)), 1e-6)
     assert not moved["ok"] and moved["tokens_equal"] and moved["max_abs_dlogprob"] == pytest.approx(4e-6, rel=0.1)
@@ -76,7 +77,7 @@ def test_a_changed_token_or_log_prob_fails():
 
 
 def test_a_run_that_errors_now_fails_and_one_that_errored_before_passes():
-    tool = _tool()
+    tool = _tool("equivalence_report")
     assert not tool.compare_run(_run(tool), {"error": "ValueError: x"}, 1e-6)["ok"]
     assert tool.compare_run({"error": "ValueError: x"}, _run(tool), 1e-6)["ok"]
     report = tool.compare({"models": {"m": {"pop": {"method": {}, "unrolled": _run(tool)}}}},
@@ -85,7 +86,7 @@ def test_a_run_that_errors_now_fails_and_one_that_errored_before_passes():
 
 
 def test_a_scanned_run_the_reference_could_not_make_is_held_to_its_unrolled_run():
-    tool = _tool()
+    tool = _tool("equivalence_report")
     reference = {"models": {"m": {"p": {"method": {}, "unrolled": _run(tool), "scanned": {"error": "E: no"}}}}}
     same = tool.compare(reference, {"models": {"m": {"p": {"method": {}, "scanned": _run(tool)}}}}, 1e-6)
     assert not same["failed"] and same["results"]["m p scanned"]["against"] == "unrolled"

@@ -6,7 +6,7 @@ on the float model, unrolled: finite log-probabilities [B, N, V]. Architectures:
 
 * ``llama``: the tiny LLaMA (GQA, untied), for the methods whose variant family it is (below):
   every registered method already runs on the tiny LLaMA through the engine, on one device and on
-  a (2, 4) mesh, in tests/scale/test_sharding.py's 8-device worker;
+  a (2, 4) mesh, in tests/scale/eight_devices.py's 8-device worker;
 * ``moe``: a Qwen2-MoE whose first layer routes 8 experts beside a shared expert and whose second
   is dense (the per-block aux of every step stacked over both: its shapes are checked);
 * ``gemma3``: the tiny Gemma 3 (GeGLU, sliding layers whose rings wrap during decode);
@@ -23,8 +23,8 @@ variants run int8 unrolled.
 
 Method-specific references live elsewhere: NumPy references of the plans in
 tests/methods/test_methods_reference.py and test_baselines_reference.py, Gemma 3's in
-test_gemma3_methods.py, MoE's per-expert statistics in test_moe_methods.py, a mesh of 8 devices
-in tests/scale/test_sharding.py; the code before the seam refactor: a by-hand command (test_method_equivalence.py).
+test_gemma3_methods.py, MoE's per-expert statistics in test_moe_statistics.py, a mesh of 8 devices
+in tests/scale/eight_devices.py; the code before the seam refactor: a by-hand command (test_method_equivalence.py).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from popjax.pruned import checkpoint_tree
 from popjax.requests import pad_batch
 from tests.gemma3_reference import SKIP as GEMMA3_SKIP
 from tests.gemma3_reference import SWEEP_MODEL, sweep_data
-from tests.methods.test_moe_methods import BASE as MOE_BASE
-from tests.methods.test_moe_methods import CONFIGS as MOE_CONFIGS
+from tests.methods.moe_reference import BASE as MOE_BASE
+from tests.methods.moe_reference import CONFIGS as MOE_CONFIGS
 from tests.models.test_vlm import _hf_model, digit, expanded
 
 ARCHS = ("llama", "moe", "gemma3", "vlm")

@@ -203,7 +203,7 @@ def int8_state_formats(model, name: str) -> list[str]:
 def test_step_rows_keep_int8_activations(tiny_checkpoints):
     """Gate-scored and shortlisted POP copy per-step rows (`sharding.take_split_rows`) out of an
     int8 model: the copies read their activations as the model does (int8 here), not weight-only.
-    The same on a mesh: tests/scale/test_sharding.py's worker."""
+    The same on a mesh: tests/scale/eight_devices.py's worker."""
     directory, _ = tiny_checkpoints("llama-gqa")
     model = popjax.load(directory, cache=False, weights="int8", activations="int8")
     for name in ("pop-gate", "pop-shortlist"):

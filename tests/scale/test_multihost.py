@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the worker runs this file as a script
-from test_sharding import random_tree, tiny_config  # noqa: E402
+from eight_devices import random_tree, tiny_config  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]  # slow: starts three JAX processes
 
@@ -38,8 +38,6 @@ PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 NEW_TOKENS = 4
 LOGIT_ATOL = 1e-5  # rounding only (cross-process sums run in another order; measured ~2e-6)
 LOCAL_DEVICES = 4
-XLA_FLAGS = (f"--xla_force_host_platform_device_count={LOCAL_DEVICES} --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")  # tiny programs: compile time dominates (conftest.TINY_PROGRAM_XLA_FLAGS)
 TEXT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
 
 
@@ -55,7 +53,7 @@ def methods():
         # collection is one program over both processes, so both run it, then both store it
         "teal": popjax.TEAL(0.3),
     }
-# Every other method's split on a (2, 4) mesh is tests/scale/test_sharding.py's, in one process:
+# Every other method's split on a (2, 4) mesh is tests/scale/eight_devices.py's, in one process:
 # what two processes add (cross-process collectives, one calibration through a shared cache)
 # these cover.
 
@@ -241,8 +239,9 @@ def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("multihost")
     store = write_store(out / "store")
     port, unused_port = free_ports(2)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-           "POPJAX_CACHE": str(out / "cache")}
+    from tests.conftest import fake_devices_env
+
+    env = fake_devices_env(LOCAL_DEVICES, POPJAX_CACHE=str(out / "cache"))
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
     roles = {"0": port, "1": port, "reference": unused_port}  # the reference's coordinator is never served

@@ -1,5 +1,5 @@
 """Gemma 3 on an 8-device mesh (one subprocess with 8 fake CPU devices, its own test file so
-xdist runs it beside tests/scale/test_sharding.py's worker): mixed sliding-window and full layers,
+xdist runs it beside tests/scale/eight_devices.py's worker): mixed sliding-window and full layers,
 ring-buffer caches split over batch and KV heads, unrolled (every method below) and scanned (dense
 and POP) on the (2, 4) mesh, which splits the batch and the heads at once, equal to one device.
 
@@ -10,7 +10,6 @@ loop itself runs for POP on the unrolled (2, 4) mesh."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.scale.test_sharding
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.scale.eight_devices
 
-from tests.scale.test_sharding import ATOL, PROMPTS, WORKER_FLAGS, _teacher, random_tree, tiny_config  # noqa: E402
+from tests.scale.eight_devices import ATOL, PROMPTS, _teacher, random_tree, tiny_config  # noqa: E402
 
 WINDOW = 4  # PROMPTS run to 12 tokens and decoding adds 10: every ring wraps
 DECODE = 10
@@ -51,7 +50,7 @@ def worker(out_path: str) -> None:
     tokens, mask = pad_batch(PROMPTS, 0, min_rows=8)
     targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (tokens.shape[0], DECODE)).astype(np.int32)
     # what rings can break: dense and POP's steps, and a layer-level schedule over mixed layers
-    # (static's and per-shard POP's splits are the LLaMA worker's, tests/scale/test_sharding.py)
+    # (static's and per-shard POP's splits are the LLaMA worker's, tests/scale/eight_devices.py)
     methods = {"dense": popjax.Dense(), "pop-shared": popjax.POP(0.3),
                "prefill-only+pop": popjax.PrefillOnly(skip=(1, 3)) + popjax.POP(0.3)}
     out = {"devices": len(jax.devices()), "methods": {}, "generate": {}}
@@ -83,7 +82,9 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def eight_devices_gemma3(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gemma3_mesh") / "gemma3.json"
-    env = {**os.environ, "XLA_FLAGS": WORKER_FLAGS, "JAX_PLATFORMS": "cpu"}
+    from tests.conftest import fake_devices_env
+
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

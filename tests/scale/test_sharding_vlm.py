@@ -5,7 +5,6 @@ greedy tokens and logits equal to one device. The tower's weights stay replicate
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.models.test_vlm
 
-from tests.scale.test_sharding import WORKER_FLAGS  # noqa: E402
 
 MESHES = ((2, 1), (1, 2), (4, 2))
 
@@ -61,7 +59,9 @@ if __name__ == "__main__":
 @pytest.mark.slow  # starts the 8-device worker process
 def test_vlm_on_meshes_matches_one_device(tmp_path):
     out = tmp_path / "vlm.json"
-    env = {**os.environ, "XLA_FLAGS": WORKER_FLAGS, "JAX_PLATFORMS": "cpu"}
+    from tests.conftest import fake_devices_env
+
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
