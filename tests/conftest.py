@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -261,29 +262,33 @@ def tiny_model(tiny_checkpoints):
     return popjax.load(directory, cache=False)
 
 
+@contextlib.contextmanager
+def shared_gguf_readers():
+    """Within the block, transformers and the ``gguf`` package parse each GGUF file once per
+    process, sharing popjax's reader (``convert.readers.open_gguf``, memoised per file): a
+    `gguf.GGUFReader` parses every metadata field in Python up front (Gemma 3's 262k-entry
+    vocabulary: 18 s a parse here), and transformers opens one for a config, another for the
+    weights and another for a tokenizer. The readers are read-only."""
+    import gguf
+
+    from popjax.convert.readers import open_gguf
+
+    plain = gguf.GGUFReader
+    gguf.GGUFReader = lambda file, *args, **kwargs: open_gguf(Path(file))  # transformers imports it inside its loaders
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = plain
+
+
 def hf_model_from_gguf(path: Path):
     """transformers' model (fp32, eval mode) of a GGUF file, read by transformers and the ``gguf``
-    package as a user's would be. The file is parsed once: transformers opens a `gguf.GGUFReader`
-    for the config and another for the weights, and each parses every metadata field in Python
-    (Gemma 3's 262k-entry vocabulary: 18 s a parse here), so the two share one reader."""
-    import gguf
+    package as a user's would be (the file parsed once: `shared_gguf_readers`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    readers: dict[str, object] = {}
-    plain = gguf.GGUFReader
-
-    def shared(file, *args, **kwargs):
-        key = str(file)
-        if key not in readers:
-            readers[key] = plain(file, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = shared  # transformers imports it from the package inside its loader
-    try:
+    with shared_gguf_readers():
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    finally:
-        gguf.GGUFReader = plain
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:

@@ -17,6 +17,10 @@ from popjax.analysis.flops import abstract_carry
 from popjax.models.config import ModelConfig
 from popjax.requests import MAX_STOP_IDS
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)

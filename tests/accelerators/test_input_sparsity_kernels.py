@@ -35,6 +35,10 @@ from tests.accelerators.test_kernels_compile import hbm_traffic
 from tests.conftest import random_prompts
 from tests.methods.test_calibration import tiny_corpus
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 LOGPROB_ATOL = 1e-5
 NEW_TOKENS = 6
 

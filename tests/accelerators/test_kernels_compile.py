@@ -19,6 +19,10 @@ from jax.experimental.pallas import tpu as pltpu
 from popjax.analysis.topologies import resolve_topology
 from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 S = jax.ShapeDtypeStruct
 
 

@@ -14,6 +14,10 @@ from jax.experimental.pallas import tpu as pltpu
 from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
 from popjax.kernels.int8 import quantize
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 D, F = 200, 96  # d not a multiple of 128, f not a power of two
 
 

@@ -30,6 +30,10 @@ from popjax.kernels.int8 import Int8Weight, quantize
 from popjax.models.interface import FFNWeights
 from tests.conftest import random_prompts
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 LOGPROB_ATOL = 1e-5
 NEW_TOKENS = 6
 

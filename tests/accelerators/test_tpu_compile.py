@@ -26,6 +26,10 @@ from popjax.sharding import abstract_params, make_mesh
 from tests.conftest import tiny_program_env
 from tests.gguf_files import write_metadata_only
 
+# Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
+# quick loop between edits (-m "not slow") does not.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("libtpu")
 
 # 2 layers, d=64; 4 heads, 4 KV heads, f and vocab divisible by 4: every axis splits over model=4

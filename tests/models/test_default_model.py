@@ -9,7 +9,7 @@ import torch
 import popjax
 from popjax import cache, loading
 from popjax.convert import default_gguf_path
-from tests.conftest import hf_model_from_gguf
+from tests.conftest import hf_model_from_gguf, shared_gguf_readers
 
 pytestmark = pytest.mark.slow  # the real default model
 
@@ -96,7 +96,8 @@ def test_torch_free_gguf_tokenizer_matches_transformers():
 
     path = default_gguf_path()
     ours = gguf_tokenizer(path)
-    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with shared_gguf_readers():
+        theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     texts = ["Hello, world!", "  def f(x):\n\treturn x ** 2  # 12345", "Ünïcödé — 東京 🙂", PROMPTS[1]]
     for text in texts:
         assert ours(text)["input_ids"] == theirs(text)["input_ids"]

@@ -72,16 +72,11 @@ def test_scanned_plan_matches_the_unrolled_plan(method):
     assert cost["scan_body_flops"] < 0.8 * cost["flops"]  # XLA counts the scan's body once: why it is extrapolated
 
 
-def test_scanned_plan_refuses_per_layer_widths(tmp_path):
+def test_scanned_plan_refuses_per_layer_widths():
     widths = dict(TINY, intermediate_sizes=[96, 64])
     cfg = ModelConfig.from_hf_dict(widths)
     with pytest.raises(ValueError, match=r"intermediate_sizes=\[96, 64\].*unrolled"):
         memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 16, "float32", scan_layers=True)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(widths))
-    cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(path), "--context", "64", "--scan-layers"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=tiny_program_env(), timeout=300)
-    assert result.returncode == 2 and "intermediate_sizes=[96, 64]" in result.stderr
 
 
 @pytest.mark.slow  # starts the CLI in a process with 8 fake devices
@@ -123,10 +118,20 @@ def test_bad_input_fails_clearly(config_file, tmp_path):
         memory_plan(cfg, make_mesh((1, 1)), popjax.Dense(), 1, 64, 64)
     with pytest.raises(ValueError, match=r"--hosts 3 must be a positive divisor of the mesh's 4 devices \(valid: \[1, 2, 4\]\)"):
         check_hosts(3, 4)
-    env = tiny_program_env()
+
+
+@pytest.mark.slow  # two CLI processes
+def test_cli_refuses_bad_input_in_one_line(config_file, tmp_path):
+    """`popjax plan` exits 2 with one line: a mesh that does not divide the model, and a scanned
+    plan of a model whose layers differ in width."""
     cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(config_file), "--mesh", "1x3", "--context", "64"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=tiny_program_env(), timeout=300)
     assert result.returncode == 2 and "3" in result.stderr and "error" in result.stderr
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY, intermediate_sizes=[96, 64])))
+    cmd = [sys.executable, "-m", "popjax.cli", "plan", "--model", str(path), "--context", "64", "--scan-layers"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=tiny_program_env(), timeout=300)
+    assert result.returncode == 2 and "intermediate_sizes=[96, 64]" in result.stderr
 
 
 def test_published_configs_are_supported():
