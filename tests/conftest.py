@@ -149,6 +149,9 @@ LONGEST_FILES = ("test_method_matrix.py", "test_notebooks.py", "test_tpu_compile
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # XLA's optimisation passes make a compile several times longer: not for the quick loop
+        if item.get_closest_marker("optimized_xla") is not None:
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
 

@@ -367,6 +367,7 @@ def test_layer_bands_errors():
 # ------------------------------------------------------------------ through the engine
 
 
+@pytest.mark.slow  # calibrates, prepares and generates with three methods
 def test_methods_run_through_the_engine_and_lowrank_factors_are_cached(tiny_model, tmp_path):
     from popjax.cache import list_entries
     from popjax.calibration import Corpus

@@ -55,6 +55,7 @@ def test_plan_agrees_with_the_allocated_model_and_state(method, tiny_checkpoints
     assert plan["decode_step_cost"]["flops"] > 0 and plan["decode_step_cost"]["bytes_accessed"] > 0
 
 
+@pytest.mark.slow  # compiles the scanned and the unrolled programs for their cost analyses
 @pytest.mark.parametrize("method", [popjax.Dense(), popjax.POP(0.3, aggregate="per_sequence")], ids=["dense", "pop"])
 def test_scanned_plan_matches_the_unrolled_plan(method):
     # 3 layers, so the decode cost extrapolated from 1 and 2 unrolled layers is a real prediction
