@@ -226,6 +226,7 @@ def test_calibrated_prefill_caches_equal_a_numpy_projection(models, name):
             np.testing.assert_allclose(np.asarray(caches[layer].v[row, T - n : T - 1]), v, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # calibrates, then compiles prefill twice per method and generates twice (~5 s)
 def test_decode_and_other_methods_ignore_the_calibrated_weights(models):
     """The calibrated weights are read only by kv="calibrated" prefill: given to dense or to the
     independent projection (whose boundary step runs the decode path over the prefilled caches)

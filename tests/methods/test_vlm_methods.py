@@ -85,6 +85,7 @@ def test_pop_partition_matches_reference(pair, choice):
         assert set(np.asarray(trace["partition"]["candidate_idx"][layer]).tolist()) == want_c
 
 
+@pytest.mark.slow  # two prompts through every choice's program (~4 s)
 def test_choices_differ_and_fall_back(pair):
     """With an image the choices pick different partitions; on a text-only prompt every choice
     is POP's own ("all")."""

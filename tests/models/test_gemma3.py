@@ -46,7 +46,7 @@ def test_greedy_generation_equals_transformers_past_the_window(name, tiny_checkp
         assert got == want
 
 
-@pytest.mark.parametrize("name", ["gemma3-window", "gemma3-last-sliding"])
+@pytest.mark.parametrize("name", ["gemma3-window", pytest.param("gemma3-last-sliding", marks=pytest.mark.slow)])
 def test_scanned_layers_equal_unrolled_with_mixed_layer_types(name, tiny_checkpoints):
     """One scan over sliding and full layers (a cache stack per kind, models.scan.KindCaches):
     the prefill's logits and 12 teacher-forced decode steps past the window equal the unrolled

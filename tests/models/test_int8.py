@@ -170,6 +170,7 @@ def test_int8_model_head_and_qkv_read_two_passes(tiny_checkpoints, monkeypatch):
         assert seen == {"qkv": {two}, "linear": {one, two}}  # `linear` runs q/k/v's dot too
 
 
+@pytest.mark.slow  # six methods' programs on the int8-activation model (~7 s); the take_split_rows check below stays quick
 def test_int8_activations_model_stays_close(tiny_checkpoints):
     """The default int8 model on CPU (activations="int8") against the weight-only one: logits
     within the activation-quantization error; methods of every kind of compact copy run on it

@@ -288,6 +288,7 @@ def test_global_ratio_counts_activated_parameters(moe_layer):
 # ---------------------------------------------------------------- engine: compiles, traces
 
 
+@pytest.mark.slow  # four generations' programs (~4 s); tests/models/test_scan.py counts compiles per bucket quickly
 def test_generation_compiles_once_per_bucket_and_traces_experts(moe_checkpoints):
     model = popjax.load(moe_checkpoints("qwen3-moe")[0], cache=False)
     prompts = random_prompts(np.random.default_rng(3), (4, 7, 12, 20), model.config.vocab_size)

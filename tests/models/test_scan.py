@@ -130,7 +130,8 @@ def forward_and_teacher_force(graphdef, params, plans, tokens, mask, targets, da
     ]
 
 
-@pytest.mark.parametrize("style", FORWARD_CASES)
+# every method on LLaMA: ~9 s of compiles, in the full suite; the quick loop keeps Qwen3-MoE's POP
+@pytest.mark.parametrize("style", [pytest.param("llama", marks=pytest.mark.slow), "qwen3-moe"])
 def test_forward_and_teacher_forcing_match(models, style):
     """Logits of every prompt position, then NLL and log-probabilities of 240 targets fed through
     the decode path, for each method: the cache spans two attention blocks (512 slots, read
