@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import CHIPS, resolve_topology
 from popjax.files import write_json_atomic
-from popjax.kernels import ffn_layout, ffn_tpu
+from popjax.kernels import ffn_layout, ffn_tpu, traffic
 
 log = logging.getLogger("kernels_compile")
 S = jax.ShapeDtypeStruct
@@ -66,14 +66,14 @@ def kernel_call(kind: str, shape: dict, ratio: float, batch: int, w_dtype: str):
         est = ffn_tpu.block_vmem_bytes(batch, BLOCK, d, w_dtype, jnp.bfloat16, masked=batch > 1)
         mask = [S((batch, nb), jnp.bool_)] if batch > 1 else []
         fn = lambda x, s, i, *m: ffn_tpu.block_ffn(x, s, i, *m, act=act, vmem_limit_bytes=est)  # noqa: E731
-        own = ffn_layout.block_ffn_bytes(n, n, BLOCK, d, batch, w_dtype, jnp.bfloat16, masked=batch > 1)
+        own = traffic.block_ffn_bytes(n, n, BLOCK, d, batch, w_dtype, jnp.bfloat16, masked=batch > 1)
         return fn, [x, slab, S((n,), jnp.int32), *mask], n, n * BLOCK, est, own
     lines = ffn_layout.channel_lines(d)
     n = round(f * (1 - ratio))
     rows = ffn_layout.ChannelRows(S((3, f, lines, 128), w_dtype), *_scales(int8, (2, f), (1, lines * 128)))
     est = ffn_tpu.gather_vmem_bytes(batch, CHUNK, d, w_dtype, jnp.bfloat16)
     fn = lambda x, r, i: ffn_tpu.gather_ffn(x, r, i, act=act, chunk=CHUNK, vmem_limit_bytes=est)  # noqa: E731
-    own = ffn_layout.gather_ffn_bytes(n, n, CHUNK, d, batch, w_dtype, jnp.bfloat16)
+    own = traffic.gather_ffn_bytes(n, n, CHUNK, d, batch, w_dtype, jnp.bfloat16)
     return fn, [x, rows, S((n,), jnp.int32)], n, n, est, own
 
 
@@ -176,10 +176,10 @@ def row(device, chip: str, kind: str, shape: dict, ratio: float, batch: int, w_d
                    cost_model_bytes=float(cost["bytes accessed"]))
     except Exception as err:  # noqa: BLE001 - the compiler's refusal is the result
         out.update(compiled_at_estimate=False, error=_first_line(err))
-    dense = ffn_layout.dense_ffn_bytes(d, f, batch, w_dtype, jnp.bfloat16)
+    dense = traffic.dense_ffn_bytes(d, f, batch, w_dtype, jnp.bfloat16)
     # ideal: exactly the channels this kernel keeps (whole blocks round the ratio); and at the ratio
-    ideal = ffn_layout.ideal_ffn_bytes(kept, d, batch, w_dtype, jnp.bfloat16)
-    at_ratio = ffn_layout.ideal_ffn_bytes(round(f * (1 - ratio)), d, batch, w_dtype, jnp.bfloat16)
+    ideal = traffic.ideal_ffn_bytes(kept, d, batch, w_dtype, jnp.bfloat16)
+    at_ratio = traffic.ideal_ffn_bytes(round(f * (1 - ratio)), d, batch, w_dtype, jnp.bfloat16)
     bandwidth = CHIPS[chip].hbm_bandwidth
     out.update(kernel_bytes=own, dense_bytes=dense, ideal_bytes=ideal, ideal_bytes_at_ratio=at_ratio,
                xla_dense_cost_model_bytes=dense_xla, kernel_over_ideal=own / ideal, kernel_over_dense=own / dense,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import popjax
 from popjax.analysis.topologies import resolve_topology
 from popjax.files import write_json_atomic
-from popjax.kernels import ffn_layout, ffn_tpu, matvec_tpu
+from popjax.kernels import ffn_layout, ffn_tpu, matvec_tpu, traffic
 from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import GLOBAL_BAND
 from popjax.models.config import ModelConfig
@@ -63,11 +63,11 @@ def call(kind: str, d: int, n_c: int, m: int, batch: int, w_dtype: str):
     if kind == "block":
         est = matvec_tpu.block_matvec_vmem_bytes(batch, BLOCK, d, w_dtype, jnp.bfloat16)
         fn = lambda x, r, i: matvec_tpu.block_matvec(x, r, i, block=BLOCK, out_features=d, vmem_limit_bytes=est)  # noqa: E731
-        own = ffn_layout.block_matvec_bytes(m // BLOCK, m // BLOCK, BLOCK, d, batch, w_dtype, jnp.bfloat16)
+        own = traffic.block_matvec_bytes(m // BLOCK, m // BLOCK, BLOCK, d, batch, w_dtype, jnp.bfloat16)
         return fn, [h, rows, S((m // BLOCK,), jnp.int32)], est, own
     est = matvec_tpu.matvec_vmem_bytes(batch, CHUNK, d, w_dtype, jnp.bfloat16)
     fn = lambda x, r, i: matvec_tpu.gather_matvec(x, r, i, out_features=d, chunk=CHUNK, vmem_limit_bytes=est)  # noqa: E731
-    own = ffn_layout.gather_matvec_bytes(m, m, CHUNK, d, batch, w_dtype, jnp.bfloat16)
+    own = traffic.gather_matvec_bytes(m, m, CHUNK, d, batch, w_dtype, jnp.bfloat16)
     return fn, [h, rows, S((m,), jnp.int32)], est, own
 
 

@@ -4,7 +4,8 @@ what a method's plan calls, so that the plan names no platform.
 "pallas-tpu" runs the Mosaic kernels (`matvec_tpu`), "pallas-interpret" the same kernels in
 Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`). `gather_matvec` reads
 single rows (channel POP's selected candidates), `block_matvec` whole blocks of consecutive rows
-(block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's).
+(block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's), `gated_ffn` the up
+and down rows of the channels a mask keeps, given their gate values (CATS's).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from . import RESOLVED, TPU_KERNELS, ffn_gpu, matvec_tpu
-from .ffn_layout import MAX_BATCH, InputRows, check_block, counted_blocks
+from . import RESOLVED, TPU_KERNELS, ffn_gpu, ffn_tpu, matvec_tpu
+from .ffn_layout import MAX_BATCH, ChannelRows, InputRows, check_block, counted_blocks
 
 
 def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
@@ -57,20 +58,47 @@ def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_featu
     return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
 
 
+def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Array, *, layer, act: str, expected_active: int,
+              kernel: str) -> jax.Array:
+    """y [B, d] = Σ_{j active} gate[:, j] · (W_u[j] · x) · W_d[:, j] for x [B, d], the gate
+    values gate [B, f] (act(W_g x), computed densely before the call: CATS keeps a channel by
+    them) and active [B, f] or [f]: from ``rows``, a stack of up/down rows [2, S, f, L, 128]
+    (`ffn_layout.stacked_up_down_layout`) read at ``layer``, only the up and down rows of the
+    channels some row keeps (their union; a row adds its own). ``expected_active``: the channels
+    a call keeps at the method's target, for the TPU compiler's cost estimate."""
+    def call(x, rows, active, layer, gate):
+        # positions are the channels in order (as `masked_matvec`'s inputs), so the gate values
+        # need no gather: a channel no row keeps has id −1 (no DMA), a row adds only its own
+        mask = jnp.broadcast_to(active, gate.shape)
+        ids = jnp.where(jnp.any(mask, axis=0), jnp.arange(gate.shape[-1], dtype=jnp.int32), -1)
+        given = jnp.where(mask, gate, 0)
+        if kernel == "pallas-gpu":
+            return ffn_gpu.gather_ffn(x, rows, ids, act=act, gate=given, layer=layer)
+        return ffn_tpu.gather_ffn(x, rows, ids, act=act, gate=given, layer=layer, expected_rows=expected_active,
+                                  interpret=kernel == "pallas-interpret")
+
+    if kernel not in ("pallas-gpu", *TPU_KERNELS):
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(_in_row_chunks(call))(x, rows, active, jnp.asarray(layer, jnp.int32), gate)
+
+
 def _in_row_chunks(call):
-    """``call(x [B, k], rows, active [B, k] or [k], layer)`` for any B: a batch above the kernels'
-    `ffn_layout.MAX_BATCH` rows runs as consecutive calls of at most that many rows (padded rows
-    masked out; each call reads its own union of kept rows)."""
-    def chunked(x, rows, active, layer):
+    """``call(x [B, k], rows, active [B, k] or [k], layer, *per_row)`` for any B (``per_row``:
+    more [B, ...] operands): a batch above the kernels' `ffn_layout.MAX_BATCH` rows runs as
+    consecutive calls of at most that many rows (padded rows masked out; each call reads its own
+    union of kept rows)."""
+    def chunked(x, rows, active, layer, *per_row):
         batch = x.shape[0]
         if batch <= MAX_BATCH:
-            return call(x, rows, active, layer)
+            return call(x, rows, active, layer, *per_row)
         n = -(-batch // MAX_BATCH)
         pad = n * MAX_BATCH - batch
-        active = jnp.broadcast_to(active, x.shape)
-        xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, MAX_BATCH, -1)
-        masks = jnp.pad(active, ((0, pad), (0, 0))).reshape(n, MAX_BATCH, -1)
-        ys = jax.lax.map(lambda xm: call(xm[0], rows, xm[1], layer), (xs, masks))
+
+        def split(a):
+            return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(n, MAX_BATCH, *a.shape[1:])
+
+        parts = tuple(split(a) for a in (x, jnp.broadcast_to(active, x.shape[:1] + active.shape[-1:]), *per_row))
+        ys = jax.lax.map(lambda xm: call(xm[0], rows, xm[1], layer, *xm[2:]), parts)
         return ys.reshape(n * MAX_BATCH, -1)[:batch]
 
     return chunked

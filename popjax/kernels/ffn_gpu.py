@@ -33,11 +33,13 @@ from .ffn_layout import (
     InputRows,
     activation,
     check_channel_rows,
+    check_gate,
     check_input_rows,
     check_slab,
     masked_selection,
     select_blocks,
     select_channels,
+    stack_view,
 )
 
 CHUNK = 32  # positions per gate/up program (the K of the down dot: Triton wants >= 16)
@@ -49,7 +51,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, act, batch, d, chunk, d_tile, int8):
+def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, act, batch, d, chunk, d_tile, int8, gated):
     gs_ref, h_ref = refs if int8 else (None, refs[0])
     pos = pl.program_id(0) * chunk + jnp.arange(chunk)
     gid, uid, keep = gid_ref[pos], uid_ref[pos], keep_ref[pos] == 1
@@ -64,10 +66,11 @@ def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, a
         cols = jnp.minimum(cols, d - 1)
         xs = plgpu.load(x_ref.at[row_ix[:, None], cols[None, :]], mask=live[:, None] & in_d[None, :], other=0)
         use = keep[:, None] & in_d[None, :]
-        gw = plgpu.load(w_ref.at[gid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
-        uw = plgpu.load(w_ref.at[uid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
         exact = xs.dtype == jnp.float32
-        g += plgpu.dot(xs, gw, trans_b=True, allow_tf32=not exact)
+        if not gated:  # given gate values (in the mask): no gate row is loaded
+            gw = plgpu.load(w_ref.at[gid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
+            g += plgpu.dot(xs, gw, trans_b=True, allow_tf32=not exact)
+        uw = plgpu.load(w_ref.at[uid[:, None], cols[None, :]], mask=use, other=0).astype(xs.dtype)
         u += plgpu.dot(xs, uw, trans_b=True, allow_tf32=not exact)
         return g, u
 
@@ -77,9 +80,10 @@ def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, a
         g = g * gs_ref[0, pos][None, :]
         u = u * gs_ref[1, pos][None, :]
     mask = plgpu.load(mask_ref.at[row_ix[:, None], pos[None, :]], mask=live[:, None], other=0)
+    h = u * mask if gated else act(g) * u * mask
     # Stores index with the unclamped rows: masked lanes must not alias a live one (the CPU
     # interpreter writes a masked lane's old value back, in no particular order).
-    plgpu.store(h_ref.at[rows[:, None], pos[None, :]], act(g) * u * mask, mask=live[:, None])
+    plgpu.store(h_ref.at[rows[:, None], pos[None, :]], h, mask=live[:, None])
 
 
 def _down_kernel(h_ref, w_ref, did_ref, keep_ref, part_ref, *, batch, d, chunk, d_tile, chunks, splits, dtype):
@@ -112,12 +116,14 @@ def rows_ffn(
     down_scale: jax.Array | None = None,
     *,
     act: str = "silu",
+    gated: bool = False,
     interpret: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
     """The FFN over a list of weight rows: x [B, d]; weights [R, ≥d] (float or int8); row_ids
     [3, U] int32 (the gate, up and down row of each position); keep [U] int32; mask [U, B]
-    fp32 or None; int8 scales gate_up_scale [2, U] and down_scale [1, ≥d]. -> y [B, d]."""
+    fp32 or None; int8 scales gate_up_scale [2, U] and down_scale [1, ≥d]. -> y [B, d].
+    ``gated``: the mask holds the gate values (h = (up · x) ⊙ mask); no gate row is loaded."""
     batch, d = x.shape
     act_fn = activation(act)
     n = keep.shape[0]
@@ -133,7 +139,7 @@ def rows_ffn(
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     extra = [jnp.pad(gate_up_scale, ((0, 0), (0, pad)))] if int8 else []
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, act=act_fn, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, int8=int8),
+        functools.partial(_gate_up_kernel, act=act_fn, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, int8=int8, gated=gated),
         grid=(chunks,),
         out_shape=jax.ShapeDtypeStruct((batch, chunks * CHUNK), jnp.float32),
         compiler_params=params,
@@ -187,17 +193,33 @@ def gather_ffn(
     *,
     count: int | jax.Array | None = None,
     act: str = "silu",
+    gate: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
     interpret: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
-    """`ffn_tpu.gather_ffn` on a GPU: x [B, d], rows values [3, f, L, 128], ids [m] or [B, m]
-    (+ count) -> y [B, d]. The columns past d are never loaded."""
-    f, lines = check_channel_rows(rows, x, act)
-    sel = select_channels(ids, f, x.shape[0], count)
-    row_ids = jnp.stack([sel.ids + k * f for k in range(3)])
-    gus = None if rows.gate_up_scale is None else rows.gate_up_scale[:, sel.ids]
-    flat = rows.values.reshape(3 * f, lines * 128)
-    return rows_ffn(x, flat, row_ids, sel.keep, sel.mask, gus, rows.down_scale, act=act, interpret=interpret, splits=splits)
+    """`ffn_tpu.gather_ffn` on a GPU: x [B, d], rows values [m, (S,) f, L, 128], ids [m] or
+    [B, m] (+ count, + the given ``gate`` [B, m] beside ids [m], + ``layer`` of a stack) ->
+    y [B, d]. The columns past d are never loaded."""
+    f, lines, layers = check_channel_rows(rows, x, act, gated=gate is not None, layer=layer)
+    batch = x.shape[0]
+    check_gate(gate, ids, batch)
+    sel = select_channels(ids, f, batch, count)
+    values, gus, down_scale, offset = stack_view(rows, layer, layers)
+    m, n_all = values.shape[0], values.shape[1]
+    fetch = sel.ids + offset
+    # the gate, up and down row of each position; given gate values, the "gate" row is up's, never loaded
+    kinds = (m - 2, m - 2, m - 1) if gate is not None else (0, 1, 2)
+    row_ids = jnp.stack([fetch + k * n_all for k in kinds])
+    mask = sel.mask
+    if gate is not None:
+        mask = jnp.broadcast_to(sel.keep[:, None].astype(jnp.float32) if mask is None else mask, (sel.ids.shape[0], batch))
+        mask = mask * gate.astype(jnp.float32).T
+        gus = None if gus is None else jnp.concatenate([gus[-1:], gus[-1:]])  # [2, ·]: row 1 (up's) is the one used
+    gus = None if gus is None else gus[:, fetch]
+    flat = values.reshape(m * n_all, lines * 128)
+    return rows_ffn(x, flat, row_ids, sel.keep, mask, gus, down_scale, act=act, gated=gate is not None, interpret=interpret,
+                    splits=splits)
 
 
 def gather_matvec(

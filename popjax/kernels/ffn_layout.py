@@ -32,7 +32,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # models.config.FFN_ACTIVATIONS' names
 MAX_BATCH = 64
@@ -51,8 +50,12 @@ class BlockSlab(NamedTuple):
 
 
 class ChannelRows(NamedTuple):
-    """Channel-granular weights. values [3, f, L, 128] (L = `channel_lines(d)`); for int8,
-    gate_up_scale [2, f] fp32 and down_scale [1, L·128] fp32 (1 past d), else None."""
+    """Channel-granular weights. values [3, f, L, 128] (L = `channel_lines(d)`): each channel's
+    gate, up and down rows; for int8, gate_up_scale [2, f] fp32 and down_scale [1, L·128] fp32
+    (1 past d), else None. A kernel given the gate values (``gather_ffn(gate=…)``: CATS) needs
+    only up and down: values [2, f, L, 128], gate_up_scale [1, f] (up's). Either as a stack of S
+    layers read at a layer index (`stacked_up_down_layout`): values [m, S, f, L, 128],
+    gate_up_scale [m − 1, S, f], down_scale [S, 1, L·128]."""
 
     values: jax.Array
     gate_up_scale: jax.Array | None = None
@@ -137,6 +140,38 @@ def channel_layout(
     return ChannelRows(rows, gate_up_scale[..., 0].astype(jnp.float32), scale[None])
 
 
+def stacked_up_down_layout(
+    up: jax.Array, down: jax.Array, up_scale: jax.Array | None = None, down_scale: jax.Array | None = None
+) -> ChannelRows:
+    """S layers' up [S, f, d] and down [S, d, f] (+ int8 scales [S, f, 1], [S, d, 1]) ->
+    `ChannelRows` values [2, S, f, L, 128] (up rows, then down columns as rows), for a kernel
+    given the gate values and a layer index. Run once per model (it copies the weights)."""
+    S, f, d = up.shape
+    lines = channel_lines(d)
+    rows = jnp.stack([up, jnp.swapaxes(down, 1, 2)])
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, lines * 128 - d))).reshape(2, S, f, lines, 128)
+    if up_scale is None:
+        return ChannelRows(rows)
+    scale = jnp.pad(down_scale[..., 0].astype(jnp.float32), ((0, 0), (0, lines * 128 - d)), constant_values=1.0)
+    return ChannelRows(rows, up_scale[None, ..., 0].astype(jnp.float32), scale[:, None])
+
+
+def stack_view(rows: ChannelRows, layer, layers: int | None):
+    """``rows`` as one matrix per kind (values [m, S·f, L, 128], a bitcast of a stack; int8
+    scales [k, S·f] and the layer's down scale [1, L·128]) and the offset of ``layer``'s channels
+    in it (0 for one matrix, not a stack): the kernels fetch a stacked layer's rows by offset
+    ids, so no layer is copied out of the stack."""
+    if layers is None:
+        return rows.values, rows.gate_up_scale, rows.down_scale, 0
+    m, _, f, lines, lanes = rows.values.shape
+    layer = jnp.asarray(layer, jnp.int32)
+    values = rows.values.reshape(m, layers * f, lines, lanes)
+    if rows.gate_up_scale is None:
+        return values, None, None, layer * f
+    gus = rows.gate_up_scale.reshape(rows.gate_up_scale.shape[0], layers * f)
+    return values, gus, jax.lax.dynamic_index_in_dim(rows.down_scale, layer, keepdims=False), layer * f
+
+
 def input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
     """W [n, k] (+ int8 scale [n, 1]) -> `InputRows` [k, L, 128]. TEAL's two matmuls are
     ``input_layout(gate_up.reshape(2f, d))`` (x's active inputs; outputs gate then up) and
@@ -186,19 +221,29 @@ def check_slab(slab: "BlockSlab", x: jax.Array, act: str) -> tuple[int, int, int
     return nb, b, d
 
 
-def check_channel_rows(rows: "ChannelRows", x: jax.Array, act: str) -> tuple[int, int]:
-    """A channel-gather kernel's inputs: ``act``, rows values [3, f, L, 128] (L = `channel_lines`
-    of x's d) and x [B, d] -> (f, L)."""
+def check_channel_rows(rows: "ChannelRows", x: jax.Array, act: str, gated: bool = False, layer=None) -> tuple[int, int, int | None]:
+    """A channel-gather kernel's inputs: ``act``, rows values [m, f, L, 128] or a stack
+    [m, S, f, L, 128] read at ``layer`` (L = `channel_lines` of x's d; m = 3, or 2 when the
+    gate values are given: ``gated``) and x [B, d] -> (f, L, S or None)."""
     check_activation(act)
-    three, f, lines, lanes = rows.values.shape
-    d = x.shape[-1]
-    if three != 3 or lanes != 128 or lines != channel_lines(d):
-        raise ValueError(
-            f"rows values of shape {tuple(rows.values.shape)} do not fit x's d={d}; "
-            f"expected [3, f, {channel_lines(d)}, 128] (ffn_layout.channel_layout)"
-        )
+    shape, d = tuple(rows.values.shape), x.shape[-1]
+    stacked = len(shape) == 5
+    ok = len(shape) in (4, 5) and shape[0] in ((2, 3) if gated else (3,)) and shape[-2:] == (channel_lines(d), 128)
+    if not ok:
+        m = "2 or 3" if gated else "3"
+        raise ValueError(f"rows values of shape {shape} do not fit x's d={d}; expected [{m}, (S,) f, {channel_lines(d)}, 128] "
+                         "(ffn_layout.channel_layout, stacked_up_down_layout)")
+    if stacked != (layer is not None):
+        raise ValueError(f"rows of shape {shape} with layer={layer!r}: a stack [m, S, f, L, 128] needs a layer index, one matrix none")
     check_x(x, d)
-    return f, lines
+    return shape[-3], shape[-2], shape[1] if stacked else None
+
+
+def check_gate(gate: jax.Array | None, ids: jax.Array, batch: int) -> None:
+    """Given gate values must be [B, m] beside shared ids [m] (a row's own channels: its zeros)."""
+    if gate is not None and (ids.ndim != 1 or tuple(gate.shape) != (batch, ids.shape[0])):
+        raise ValueError(f"gate of shape {tuple(gate.shape)} with ids of shape {tuple(ids.shape)}: given gate values are "
+                         f"[B, m] = [{batch}, m] beside ids [m], one per row and position (0: the row does not add it)")
 
 
 def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tuple[int, int]:
@@ -333,67 +378,3 @@ def select_channels(ids: jax.Array, f: int, batch: int, count: int | jax.Array |
     union, n_union = union_of_rows(chose, min(f, batch * m))
     fetch, keep = _selected(union, n_union, f)
     return Selection(fetch, keep, chose.astype(jnp.float32)[:, fetch].T * keep[:, None])
-
-
-# ------------------------------------------------------------------------------ bytes per call
-def _size(dtype) -> int:
-    return jnp.dtype(dtype).itemsize
-
-
-def dense_ffn_bytes(d: int, f: int, batch: int, weight_dtype, x_dtype) -> int:
-    """Bytes a dense FFN must move: all 3·f·d weights (+ int8 scales), x in and y out."""
-    scales = (2 * f + d) * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
-    return 3 * f * d * _size(weight_dtype) + scales + 2 * batch * d * _size(x_dtype)
-
-
-def ideal_ffn_bytes(kept: int, d: int, batch: int, weight_dtype, x_dtype) -> int:
-    """Bytes of exactly ``kept`` channels' weights (+ their scales), x in and y out."""
-    scales = (2 * kept + d) * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
-    return 3 * kept * d * _size(weight_dtype) + scales + 2 * batch * d * _size(x_dtype)
-
-
-def block_ffn_bytes(blocks_read: int, positions: int, block_size: int, d: int, batch: int, weight_dtype, x_dtype, masked: bool) -> int:
-    """HBM bytes of the TPU block kernel: ``blocks_read`` slabs fetched (a block repeated at the
-    next position is not fetched again) over ``positions`` grid steps, their int8 scales, the
-    per-position row masks, the id and keep scalars, x once and y once."""
-    int8 = jnp.dtype(weight_dtype) == jnp.int8
-    per_block = 3 * block_size * d * _size(weight_dtype) + (2 * block_size * 4 if int8 else 0)
-    other = (d * 4 if int8 else 0) + (positions * batch * 4 if masked else 0) + 2 * positions * 4
-    return blocks_read * per_block + other + 2 * batch * d * _size(x_dtype)
-
-
-def gather_ffn_bytes(rows_read: int, positions: int, chunk: int, d: int, batch: int, weight_dtype, x_dtype) -> int:
-    """HBM bytes of the TPU channel kernel: ``rows_read`` channels' three rows of L·128 (one DMA
-    each), per-position masks and int8 scales over ``positions`` padded to the chunk, the
-    scalars, x in and y out (both L·128 wide)."""
-    int8 = jnp.dtype(weight_dtype) == jnp.int8
-    width = channel_lines(d) * 128
-    padded = -(-positions // chunk) * chunk
-    other = padded * batch * 4 + (padded * 2 * 4 + width * 4 if int8 else 0) + 2 * padded * 4
-    return rows_read * 3 * width * _size(weight_dtype) + other + 2 * batch * width * _size(x_dtype)
-
-
-def gather_matvec_bytes(rows_read: int, positions: int, chunk: int, n: int, batch: int, weight_dtype, x_dtype) -> int:
-    """HBM bytes of the TPU input-gather matvec: ``rows_read`` input rows of L·128 (one DMA
-    each), x's values at the positions (padded to the chunk), the scalars, int8 scales, y."""
-    width = channel_lines(n) * 128
-    padded = -(-positions // chunk) * chunk
-    scales = width * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
-    other = padded * batch * _size(x_dtype) + 2 * padded * 4 + scales + batch * width * _size(x_dtype)
-    return rows_read * width * _size(weight_dtype) + other
-
-
-def block_matvec_bytes(blocks_read: int, positions: int, block: int, n: int, batch: int, weight_dtype, x_dtype) -> int:
-    """HBM bytes of the TPU block matvec: ``blocks_read`` blocks of b input rows of L·128 (a
-    block repeated at the next position is not fetched again), x's values at the ``positions``
-    blocks, the ids, int8 scales once, y once."""
-    width = channel_lines(n) * 128
-    scales = width * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
-    other = positions * block * batch * _size(x_dtype) + positions * 4 + scales + batch * width * _size(x_dtype)
-    return blocks_read * block * width * _size(weight_dtype) + other
-
-
-def count_distinct_fetches(ids: np.ndarray) -> int:
-    """How many fetches a BlockSpec pipeline makes for fetch ids [n]: one per change of id."""
-    ids = np.asarray(ids)
-    return int(1 + np.count_nonzero(ids[1:] != ids[:-1])) if ids.size else 0

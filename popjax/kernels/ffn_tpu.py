@@ -32,14 +32,15 @@ from .ffn_layout import (
     BlockSlab,
     ChannelRows,
     activation,
-    block_ffn_bytes,
     channel_lines,
     check_channel_rows,
+    check_gate,
     check_slab,
-    gather_ffn_bytes,
     select_blocks,
     select_channels,
+    stack_view,
 )
+from .traffic import block_ffn_bytes, gather_ffn_bytes
 
 # Default scoped VMEM per kernel, measured: the limit libtpu 0.0.42 names when a kernel exceeds
 # it ("… and limit 16.00M exceeded …"; `default_scoped_vmem` in benchmarks/kernels_compile.py,
@@ -98,12 +99,12 @@ def block_vmem_bytes(batch: int, block_size: int, d: int, weight_dtype, x_dtype,
     return total
 
 
-def gather_vmem_bytes(batch: int, chunk: int, d: int, weight_dtype, x_dtype) -> int:
-    """VMEM of `gather_ffn`: the two-slot row scratch, x, y, masks, the accumulator (x, y and
-    the rows L·128 wide, `ffn_layout.channel_lines`)."""
+def gather_vmem_bytes(batch: int, chunk: int, d: int, weight_dtype, x_dtype, matrices: int = 3) -> int:
+    """VMEM of `gather_ffn`: the two-slot row scratch (``matrices`` rows per channel), x, y,
+    masks, the accumulator (x, y and the rows L·128 wide, `ffn_layout.channel_lines`)."""
     lines = channel_lines(d)
     d = lines * 128
-    total = MOSAIC_OWN_VMEM + vmem_buffer_bytes((2, 3, chunk, lines, 128), weight_dtype)
+    total = MOSAIC_OWN_VMEM + vmem_buffer_bytes((2, matrices, chunk, lines, 128), weight_dtype)
     total += 4 * vmem_buffer_bytes((batch, d), x_dtype) + vmem_buffer_bytes((batch, d), jnp.float32)
     total += 2 * vmem_buffer_bytes((batch, chunk), jnp.float32)
     if jnp.dtype(weight_dtype) == jnp.int8:
@@ -113,12 +114,15 @@ def gather_vmem_bytes(batch: int, chunk: int, d: int, weight_dtype, x_dtype) -> 
 
 def _ffn_step(x, gate, up, down, gate_up_scale, mask, act):
     """One selected piece: x [B, d], gate/up/down rows [n, d] -> its [B, d] contribution (f32).
-    gate_up_scale [2, n] (int8) or None; mask [B, 1] or [B, n] or None."""
-    g = lax.dot_general(x, gate.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+    gate_up_scale [2, n] (int8) or None; mask [B, 1] or [B, n] or None. gate None: the gate
+    values are given, folded into the mask (h = (up · x) ⊙ mask), and the scale is up's [1, n]."""
     u = lax.dot_general(x, up.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
     if gate_up_scale is not None:
-        g, u = g * gate_up_scale[0:1], u * gate_up_scale[1:2]
-    h = act(g) * u
+        u = u * gate_up_scale[-1:]
+    h = u
+    if gate is not None:
+        g = lax.dot_general(x, gate.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+        h = act(g if gate_up_scale is None else g * gate_up_scale[0:1]) * u
     if mask is not None:
         h = h * mask
     return jnp.dot(h.astype(x.dtype), down.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -255,7 +259,7 @@ def fetch_rows(ids_ref, keep_ref, sems, chunk: int, steps: int, pairs) -> jax.Ar
     return slot
 
 
-def _gather_kernel(ids_ref, keep_ref, *refs, act, chunk, steps, int8):
+def _gather_kernel(ids_ref, keep_ref, *refs, act, chunk, steps, int8, matrices):
     x_ref, mask_ref, *refs = refs
     gus_ref, ds_ref = (refs.pop(0), refs.pop(0)) if int8 else (None, None)
     rows_hbm, o_ref, buf, sems, acc_ref = refs
@@ -265,12 +269,14 @@ def _gather_kernel(ids_ref, keep_ref, *refs, act, chunk, steps, int8):
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    pairs = [(lambda i, k=k: rows_hbm.at[k, i], lambda slot, r, k=k: buf.at[slot, k, r]) for k in range(3)]
+    # the matrices fetched per channel: (gate, up, down), or (up, down) when the gate is given
+    pairs = [(lambda i, k=k: rows_hbm.at[k, i], lambda slot, r, j=j: buf.at[slot, j, r]) for j, k in enumerate(matrices)]
     slot = fetch_rows(ids_ref, keep_ref, sems, chunk, steps, pairs)
     d = buf.shape[3] * buf.shape[4]
-    w = [buf[slot, k].reshape(chunk, d) for k in range(3)]
+    w = [buf[slot, j].reshape(chunk, d) for j in range(len(matrices))]
+    gate, up, down = ([None] + w) if len(w) == 2 else w
     scale = gus_ref[...] if int8 else None
-    acc_ref[...] += _ffn_step(x_ref[...], w[0], w[1], w[2], scale, mask_ref[...], act)
+    acc_ref[...] += _ffn_step(x_ref[...], gate, up, down, scale, mask_ref[...], act)
 
     @pl.when(c == steps - 1)
     def _():
@@ -284,6 +290,9 @@ def gather_ffn(
     *,
     count: int | jax.Array | None = None,
     act: str = "silu",
+    gate: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
+    expected_rows: int | None = None,
     chunk: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
     chip: str = "v5e",
@@ -291,8 +300,16 @@ def gather_ffn(
 ) -> jax.Array:
     """y [B, d] = the FFN of x [B, d] over channels ``ids`` of ``rows`` (`ChannelRows`, values
     [3, f, L, 128]): ids [m] for every row (ids[:count] selected), or [B, m] per row (count [B]
-    or a scalar), served as their union with a per-row mask. ``chunk`` channels per grid step."""
-    f, lines = check_channel_rows(rows, x, act)
+    or a scalar), served as their union with a per-row mask. ``chunk`` channels per grid step.
+    ``gate`` [B, m] fp32 beside ids [m]: each row's activated gate value of the channel at each
+    position (computed before the call: CATS thresholds them; 0 where the row does not add the
+    channel): then only the up and down rows are fetched and h = gate ⊙ (up · x) (``rows`` may
+    hold just those two, [2, f, L, 128]). ``layer``: with ``rows`` a stack of S layers
+    (`ffn_layout.stacked_up_down_layout`), the one to read (traced or not; no layer is copied).
+    ``expected_rows``: the channels a call is expected to read, for the compiler's cost estimate
+    (default: every position; a threshold's count is known only at run time)."""
+    f, lines, layers = check_channel_rows(rows, x, act, gated=gate is not None, layer=layer)
+    check_gate(gate, ids, x.shape[0])
     d = x.shape[-1]
     width = lines * 128
     if chunk < 1:
@@ -302,13 +319,19 @@ def gather_ffn(
     n = sel.ids.shape[0]
     steps = -(-n // chunk)
     pad = steps * chunk - n
-    fetch = jnp.pad(sel.ids, (0, pad), mode="edge")
+    m = rows.values.shape[0]
+    matrices = tuple(range(m))[-2:] if gate is not None else (0, 1, 2)
+    values, gus, down_scale, offset = stack_view(rows, layer, layers)
+    fetch = jnp.pad(sel.ids, (0, pad), mode="edge") + offset
     keep = jnp.pad(sel.keep, (0, pad))
-    mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
-    mask = jnp.broadcast_to(mask, (n, batch))
-    mask = jnp.pad(mask, ((0, pad), (0, 0))).reshape(steps, chunk, batch).transpose(0, 2, 1)
+    if gate is None:
+        mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
+        mask = jnp.broadcast_to(mask, (n, batch)).T
+    else:  # h = gate ⊙ (up · x) ⊙ keep: the values by position, no gather
+        mask = gate.astype(jnp.float32) * sel.keep[None, :]
+    mask = jnp.pad(mask, ((0, 0), (0, pad))).reshape(batch, steps, chunk).transpose(1, 0, 2)  # [steps, B, chunk]
     int8 = rows.gate_up_scale is not None
-    est = gather_vmem_bytes(batch, chunk, d, rows.values.dtype, x.dtype)
+    est = gather_vmem_bytes(batch, chunk, d, rows.values.dtype, x.dtype, len(matrices))
     limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_ffn (B={batch}, chunk={chunk}, d={d}, {rows.values.dtype})")
 
     fixed = lambda i, ids, keep: (0, 0)  # noqa: E731
@@ -318,29 +341,31 @@ def gather_ffn(
     if int8:
         # XLA gathers the kept channels' scales before the call (the cost model charges it more
         # than the few KB it moves: docs/kernels.md, "What is left"); two 1-D takes cost more
-        scales = rows.gate_up_scale[:, fetch].reshape(2, steps, chunk).transpose(1, 0, 2)
-        in_specs += [pl.BlockSpec((None, 2, chunk), per_step), pl.BlockSpec((1, width), fixed)]
-        args += [scales, rows.down_scale]
+        scales = (gus[-1:] if gate is not None else gus)[:, fetch]
+        k = scales.shape[0]
+        in_specs += [pl.BlockSpec((None, k, chunk), per_step), pl.BlockSpec((1, width), fixed)]
+        args += [scales.reshape(k, steps, chunk).transpose(1, 0, 2), down_scale]
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    args.append(rows.values)
+    args.append(values)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(steps,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((batch, width), fixed),
         scratch_shapes=[
-            pltpu.VMEM((2, 3, chunk, lines, 128), rows.values.dtype),
+            pltpu.VMEM((2, len(matrices), chunk, lines, 128), rows.values.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((batch, width), jnp.float32),
         ],
     )
-    traffic = gather_ffn_bytes(n, n, chunk, d, batch, rows.values.dtype, x.dtype)
+    traffic = gather_ffn_bytes(n if expected_rows is None else expected_rows, n, chunk, d, batch, rows.values.dtype, x.dtype,
+                               len(matrices))
     y = pl.pallas_call(
-        functools.partial(_gather_kernel, act=activation(act), chunk=chunk, steps=steps, int8=int8),
+        functools.partial(_gather_kernel, act=activation(act), chunk=chunk, steps=steps, int8=int8, matrices=matrices),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((batch, width), x.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
-        cost_estimate=pl.CostEstimate(flops=6 * batch * width * n, transcendentals=batch * n, bytes_accessed=traffic),
+        cost_estimate=pl.CostEstimate(flops=2 * len(matrices) * batch * width * n, transcendentals=batch * n, bytes_accessed=traffic),
         interpret=interpret,
         name="gather_ffn",
     )(fetch, keep, *args)

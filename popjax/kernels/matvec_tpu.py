@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import (InputRows, block_matvec_bytes, channel_lines, check_block, check_input_rows, counted_blocks,
-                         gather_matvec_bytes, masked_selection, select_channels)
+from .ffn_layout import InputRows, channel_lines, check_block, check_input_rows, counted_blocks, masked_selection, select_channels
+from .traffic import block_matvec_bytes, gather_matvec_bytes
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
 
 

@@ -7,9 +7,12 @@ sparse kernel skips row j of W_u and column j of W_d:
 
     y = W_d[:, J] (g[J] ⊙ (W_u[J] x)),   J = {j : |g_j| > t}
 
-Here the zeros are applied as a mask before dense matmuls (no speed claim in XLA);
-``ffn_weights_read`` reports what a kernel would read at the TARGET sparsity, and the decode aux
-the ACTUAL channel density per step and layer.
+With ``kernel="xla"`` the zeros are applied as a mask before dense matmuls (no speed claim in
+XLA), and ``ffn_weights_read`` reports what a sparse kernel would read at the TARGET sparsity;
+the decode aux gives the ACTUAL channel density per step and layer. With a Pallas ``kernel``
+(TPU, GPU; ``"auto"`` there) that is what the step reads: g = act(W_g x) densely (XLA), then one
+kernel call fetches only the kept channels' rows of W_u and W_d from a copy of them as channel
+rows (`popjax.methods.input_rows.kernel_gated_ffn`; docs/kernels.md, "CATS and dynamic POP").
 
 **Budget** (``ratio`` → sparsity): the gate projection is always read in full, so matching the
 expected weights read of a structured method keeping n_keep channels,
@@ -31,8 +34,11 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from ..models.config import ModelConfig
-from .base import gate_activation, DensePlan, MethodError, Plan, down_proj, gate_and_up, kept_channels
+from .. import kernels
+from ..kernels.ffn_layout import channel_lines
+from .base import gate_activation, DensePlan, MethodError, Plan, check_choice, dot, down_proj, gate_and_up, kept_channels
 from .activation_sparsity import DensePrefillPlan
+from .input_rows import kernel_gated_ffn, up_down_rows_data
 from .teal import ThresholdMethod, layer_threshold, threshold_keep
 
 
@@ -45,19 +51,34 @@ class CATSPlan(DensePrefillPlan):
     name: ClassVar[str] = "cats"
     sparsity: float = 0.0  # target fraction of channels zeroed
     aggregate: str = "max"
+    # what reads W_d's kept columns (`popjax.kernels.RESOLVED`, resolved at bind): "xla" (a mask
+    # before the dense matmul) or a Pallas kernel on the input-major down copy in ``w.data["rows"]``
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, densities: fp32 scalars)."""
-        gate, up = gate_and_up(w.gate_up, x)
-        gate = gate_activation(w)(gate)
         t = layer_threshold(w.data["thresholds"]["gate"], w.layer, w.block)
-        keep, density = threshold_keep(gate, valid, t, self.aggregate)
-        y = down_proj(jnp.where(keep, gate * up, 0), w.down)
+        if self.kernel == "xla":
+            gate, up = gate_and_up(w.gate_up, x)
+            gate = gate_activation(w)(gate)
+            keep, density = threshold_keep(gate, valid, t, self.aggregate)
+            y = down_proj(jnp.where(keep, gate * up, 0), w.down)
+        else:  # only the gate densely; the kernel reads the kept channels' up and down rows
+            gate = gate_activation(w)(dot("btd,nd->btn", x, w.gate_up[0]))
+            keep, density = threshold_keep(gate, valid, t, self.aggregate)
+            kept = round(self.f * (1.0 - self.sparsity))
+            y = kernel_gated_ffn(w, x, gate, keep, expected_active=kept, kernel=self.kernel)
         return y, state, {"density": (1 + 2 * density) / 3, "density_channels": density}
 
     def ffn_weights_read(self, d: int) -> int:
-        """At the target sparsity: all of W_g, the kept rows of W_u and columns of W_d."""
-        return round(d * self.f * (1.0 + 2.0 * (1.0 - self.sparsity)))
+        """At the target sparsity: all of W_g, the kept rows of W_u and columns of W_d (the
+        Pallas kernel: those rows of its copy, each L·128 wide on TPU, `ffn_layout.channel_lines`)."""
+        kept = self.f * (1.0 - self.sparsity)
+        width = channel_lines(d) * 128 if self.kernel in kernels.TPU_KERNELS else d
+        return round(d * self.f + 2.0 * width * kept)
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 2 * self.ffn_weights_read(d)
@@ -85,9 +106,15 @@ class CATS(ThresholdMethod):
     def targets(self, cfg):
         return {"gate": ("gate", self.sparsity(cfg))}
 
+    def kernel_data(self, model) -> dict:
+        """``{"up_down": ChannelRows}``: every layer's up and down rows as channel rows
+        (`input_rows.up_down_rows_data`, built once per model): 2/3 of the FFN weights again."""
+        return {"up_down": up_down_rows_data(model)}
+
     def bind(self, cfg: ModelConfig) -> Plan:
         f, s = cfg.intermediate_size, self.sparsity(cfg)
         if s == 0.0:
             return DensePlan(f=f, n_keep=f)
         self._thresholds_for(cfg)  # an unprepared or mismatched method fails here, as it always has
-        return CATSPlan(f=f, n_keep=round(f * (1.0 + 2.0 * (1.0 - s)) / 3.0), sparsity=s, aggregate=self.aggregate)
+        return CATSPlan(f=f, n_keep=round(f * (1.0 + 2.0 * (1.0 - s)) / 3.0), sparsity=s, aggregate=self.aggregate,
+                        kernel=self.resolved_kernel(cfg))

@@ -3,6 +3,11 @@
 Every decode step computes H_t on all f channels and keeps the top n_keep by
 ``‖H_t[:, j]‖₂ · ‖W_d[:, j]‖₂``. The prompt is processed like POP's prefill (top n_keep by
 prompt importance), so the three variants differ only in decoding.
+
+A step needs H on all f channels (its scores), so gate and up are read whole; only the down read
+follows the selection. With a Pallas ``kernel`` (TPU, GPU; ``"auto"`` there) it reads just the
+n_keep selected channels' rows of the model's input-major down copy
+(`popjax.methods.input_rows.kernel_down`), where XLA gathers W_d's columns every step.
 """
 
 from __future__ import annotations
@@ -13,13 +18,23 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .base import gate_activation, AggregatedPlan, RatioMethod, activations, down_proj, score_prompt, step_importance, take_channels
+from .. import kernels
+from ..models.config import ModelConfig
+from .base import (gate_activation, AggregatedPlan, DensePlan, Plan, RatioMethod, activations, check_choice, down_proj, kept_channels,
+                   score_prompt, step_importance, take_channels)
+from .input_rows import input_rows_data, kernel_down, kernel_weights_read, resolve_kernel
 
 
 @dataclasses.dataclass(frozen=True)
 class DynamicPlan(AggregatedPlan):
     name: ClassVar[str] = "dynamic"
     compact_weights: ClassVar[bool] = False  # reads the model's own weights every step
+    # what reads the selected channels' down rows (`popjax.kernels.RESOLVED`, resolved at bind):
+    # "xla" (a gather of W_d's columns) or a Pallas kernel on the down copy in ``w.data["rows"]``
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def _prefill(self, w, x, valid):
         y, _, importance = score_prompt(w, x, valid, self.n_keep)
@@ -30,20 +45,51 @@ class DynamicPlan(AggregatedPlan):
         h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w.down_norm)  # [f]
         _, selected = jax.lax.top_k(scores, self.n_keep)
-        y = down_proj(take_channels(h, selected, axis=-1), take_channels(w.down, selected, axis=1))
+        if self.kernel == "xla":
+            y = down_proj(take_channels(h, selected, axis=-1), take_channels(w.down, selected, axis=1))
+        else:
+            keep = jnp.zeros((self.f,), bool).at[selected].set(True)
+            y = kernel_down(w, h, keep, d=x.shape[-1], expected_active=self.n_keep, kernel=self.kernel)
         return y, state, {"scores": scores}
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 4 * d * self.f + 2 * d * self.n_keep
 
     def ffn_weights_read(self, d: int) -> int:
-        return 2 * d * self.f + d * self.n_keep
+        """All of gate and up, the n_keep selected down columns (the TPU kernel reads whole
+        rows of the down copy: `input_rows.kernel_weights_read`)."""
+        return 2 * d * self.f + kernel_weights_read(self.kernel, d, self.f, 0, self.n_keep)
 
 
 @dataclasses.dataclass(frozen=True)
 class Dynamic(RatioMethod):
     """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling of
-    POP at a much higher cost). ``Dynamic(ratio, aggregate="per_sequence" | "shared")``."""
+    POP at a much higher cost). ``Dynamic(ratio, aggregate="per_sequence" | "shared",
+    kernel="auto" | "xla" | "pallas")``: ``kernel`` reads the selected down rows (the module
+    docstring); "auto" is the Pallas kernel on TPU and GPU, XLA on a CPU and a mixture of experts."""
 
     name: ClassVar[str] = "dynamic"
     plan_class: ClassVar[type] = DynamicPlan
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
+
+    def resolved_kernel(self, cfg: ModelConfig) -> str:
+        """What the decode step runs (`input_rows.resolve_kernel`)."""
+        return resolve_kernel("Dynamic", self.kernel, cfg)
+
+    def bind(self, cfg: ModelConfig) -> Plan:
+        f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
+        if n_keep == f:
+            return DensePlan(f=f, n_keep=f)
+        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg))
+
+    def data(self, model) -> dict | None:
+        """With a Pallas kernel ``{"rows": {"down": InputRows}}``: W_d as an input-major copy
+        (`input_rows.input_rows_data`, built once per model), which the decode steps read."""
+        cfg = model.config
+        if kept_channels(cfg, self.ratio) == cfg.intermediate_size or self.resolved_kernel(cfg) == "xla":
+            return None
+        return {"rows": input_rows_data(model, ("down",))}

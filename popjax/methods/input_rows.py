@@ -14,7 +14,13 @@ calls of `popjax.kernels.decode_ffn.masked_matvec`:
 them built once per model and passed into the compiled programs as the method's data: the
 decode step reads the copies, prefill (dense) the model's own. A method with a ``kernel``
 hyper-parameter resolves it with `resolve_kernel` and calls `kernel_activations` and
-`kernel_down` where its XLA path multiplies masked inputs by the dense weights.
+`kernel_down` where its XLA path multiplies masked inputs by the dense weights. Dynamic POP,
+which masks only H, the down projection's input, asks for the down copy alone.
+
+CATS keeps a channel by its gate value, so it computes the gate densely and then needs, for the
+kept channels only, their *rows* of W_u (an output each) and of W_d: `kernel_gated_ffn` reads
+them from `up_down_rows_data`, every layer's up and down rows as channel rows
+(`ffn_layout.stacked_up_down_layout`), through `kernels.decode_ffn.gated_ffn`.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import kernels
-from ..kernels.decode_ffn import masked_matvec
-from ..kernels.ffn_layout import InputRows, channel_lines, stacked_input_layout
+from ..kernels.decode_ffn import gated_ffn, masked_matvec
+from ..kernels.ffn_layout import ChannelRows, InputRows, channel_lines, stacked_input_layout, stacked_up_down_layout
 from ..loaded import uniform_ffn
 from ..models.config import ModelConfig
 from ..models.interface import FFNStack
@@ -43,26 +49,57 @@ def resolve_kernel(method: str, kernel: str, cfg: ModelConfig) -> str:
     return kernels.choose(kernel) if uniform else "xla"
 
 
-def input_rows_data(model) -> dict[str, InputRows]:
-    """The model's FFN weights in the kernel's layout (`input_major_rows`), built once per model
-    (``model.derived``; shared by every method that reads them) and, on a mesh, replicated: every
-    device runs the kernel on whole copies (`kernels.decode_ffn.per_device`), placed once here so
-    that no step gathers them."""
+ROW_PARTS = ("gate_up", "down")  # the copies `input_rows_data` builds, each on its own
+
+
+def input_rows_data(model, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, InputRows]:
+    """The model's FFN weights in the kernel's layout (`input_major_rows`), the copies ``parts``
+    of `ROW_PARTS` only, each built once per model (``model.derived``; shared by every method
+    that reads it) and, on a mesh, replicated: every device runs the kernel on whole copies
+    (`kernels.decode_ffn.per_device`), placed once here so that no step gathers them."""
+    def build(part):
+        def one(m):
+            rows = input_major_rows(m.ffn_stack(), (part,))[part]
+            return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
+
+        return model.derived(f"input_major_{part}", one)
+
+    return model.derived("input_major_rows/" + "+".join(parts), lambda m: {part: build(part) for part in parts})
+
+
+def up_down_rows_data(model) -> ChannelRows:
+    """Every layer's up and down rows as `ffn_layout.stacked_up_down_layout` [2, L, f, L_d, 128]
+    (int8: up's and down's scales), built once per model and, on a mesh, replicated (as
+    `input_rows_data`): 2/3 of the FFN weights again, which CATS's kernel steps read."""
     def build(m):
-        rows = input_major_rows(m.ffn_stack())
+        stack = m.ffn_stack()
+        scales = (None, None) if stack.gate_up_scale is None else (stack.gate_up_scale[:, 1], stack.down_scale)
+        rows = stacked_up_down_layout(stack.gate_up[:, 1], stack.down, *scales)
         return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
 
-    return model.derived("input_major_rows", build)
+    return model.derived("up_down_rows", build)
 
 
-def input_major_rows(stack: FFNStack) -> dict[str, InputRows]:
-    """Every layer's FFN in `ffn_layout.stacked_input_layout`: gate/up as one matrix [2f, d]
-    (outputs gate then up), values [L, d, L_gu, 128], and down, values [L, f, L_d, 128]; int8
-    keeps the per-output-channel scales ([L, 1, L·128])."""
+def kernel_gated_ffn(w, x: jax.Array, gate: jax.Array, keep: jax.Array, *, expected_active: int, kernel: str) -> jax.Array:
+    """y = W_d · (gate ⊙ W_u x where keep): x [B, 1, d], the gate values gate [B, 1, f] and
+    keep broadcastable to them -> [B, 1, d], from the kept channels' up and down rows of the
+    layer's copy (``w.data["up_down"]``)."""
+    return gated_ffn(x[:, 0], w.data["up_down"], _mask(keep, gate), gate[:, 0], layer=w.layer, act=w.act,
+                     expected_active=expected_active, kernel=kernel)[:, None]
+
+
+def input_major_rows(stack: FFNStack, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, InputRows]:
+    """Every layer's FFN in `ffn_layout.stacked_input_layout`: "gate_up" as one matrix [2f, d]
+    (outputs gate then up), values [L, d, L_gu, 128], and "down", values [L, f, L_d, 128]; int8
+    keeps the per-output-channel scales ([L, 1, L·128]). ``parts``: which of the two."""
     L, _, f, d = stack.gate_up.shape
-    gate_up_scale = None if stack.gate_up_scale is None else stack.gate_up_scale.reshape(L, 2 * f, 1)
-    return {"gate_up": stacked_input_layout(stack.gate_up.reshape(L, 2 * f, d), gate_up_scale),
-            "down": stacked_input_layout(stack.down, stack.down_scale)}
+    out = {}
+    if "gate_up" in parts:
+        gate_up_scale = None if stack.gate_up_scale is None else stack.gate_up_scale.reshape(L, 2 * f, 1)
+        out["gate_up"] = stacked_input_layout(stack.gate_up.reshape(L, 2 * f, d), gate_up_scale)
+    if "down" in parts:
+        out["down"] = stacked_input_layout(stack.down, stack.down_scale)
+    return out
 
 
 def kernel_gate_up(w, x: jax.Array, keep_x: jax.Array, *, f: int, expected_active: int, kernel: str) -> jax.Array:

@@ -140,17 +140,26 @@ def threshold_keep(v: jax.Array, valid: jax.Array, t: jax.Array, aggregate: str)
 @dataclasses.dataclass(frozen=True)
 class ThresholdMethod(SparsityBudget):
     """Base of TEAL and CATS: a budget (``ratio`` or ``ffn_sparsity``), the batch rule (one mask
-    per batch from the max by default) and the calibrated `Thresholds` (None until `calibrate`;
-    ``bind`` needs them)."""
+    per batch from the max by default), the calibrated `Thresholds` (None until `calibrate`;
+    ``bind`` needs them) and the ``kernel`` that reads the kept rows at decode: "auto" (the
+    Pallas kernel on TPU and GPU, XLA on a CPU and on a mixture of experts), "xla" (masks
+    before dense matmuls) or "pallas" (`popjax.methods.input_rows`: the kept rows of the
+    model's FFN weights in an input-major copy, built once per model)."""
 
     calibrates: ClassVar[bool] = True
     aggregate: str = dataclasses.field(default="max", kw_only=True)
     thresholds: Thresholds | None = dataclasses.field(default=None, kw_only=True)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         if self.thresholds is not None and not isinstance(self.thresholds, Thresholds):
             raise MethodError(f"{type(self).__name__}: thresholds={self.thresholds!r} is not a Thresholds (use calibrate)")
+        check_choice("kernel", self.kernel, kernels.KERNELS)
+
+    def resolved_kernel(self, cfg: ModelConfig) -> str:
+        """What the decode step runs (`input_rows.resolve_kernel`)."""
+        return resolve_kernel(type(self).__name__, self.kernel, cfg)
 
     def targets(self, cfg: ModelConfig) -> dict[str, tuple[str, float]]:
         """{tensor: (histogram, sparsity)} for this budget."""
@@ -171,10 +180,18 @@ class ThresholdMethod(SparsityBudget):
     def data(self, model) -> dict | None:
         """The thresholds for ``model`` as arrays, checked against its budget and shape:
         ``{"thresholds": {tensor: [L] float32}}`` ([L, slots] on a MoE model; see
-        `thresholds_data`); None when the budget prunes nothing (the dense plan reads none)."""
+        `thresholds_data`); None when the budget prunes nothing (the dense plan reads none).
+        With a Pallas kernel also the copy of the FFN weights that kernel reads (`kernel_data`)."""
         if self._dense(model.config):
             return None
-        return thresholds_data(self._thresholds_for(model.config))
+        data = thresholds_data(self._thresholds_for(model.config))
+        return data if self.resolved_kernel(model.config) == "xla" else {**data, **self.kernel_data(model)}
+
+    def kernel_data(self, model) -> dict:
+        """What a Pallas kernel step reads instead of the model's FFN weights: ``{"rows": ...}``,
+        the model's FFN weights as input-major copies (`input_rows.input_rows_data`, built once
+        per model and shared by every method that reads them), a second copy of them."""
+        return {"rows": input_rows_data(model)}
 
     def _dense(self, cfg: ModelConfig) -> bool:
         """Whether the budget zeroes nothing (then ``bind`` gives the dense plan)."""
@@ -251,19 +268,10 @@ class TEAL(ThresholdMethod):
     ``.calibrate(model)`` (see the module docstring)."""
 
     name: ClassVar[str] = "teal"
-    kernel: str = dataclasses.field(default="auto", kw_only=True)
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_choice("kernel", self.kernel, kernels.KERNELS)
 
     def targets(self, cfg):
         s = self.sparsity(cfg)
         return {"x": ("x", s), "h": ("h", s)}
-
-    def resolved_kernel(self, cfg: ModelConfig) -> str:
-        """What the decode step runs (`input_rows.resolve_kernel`)."""
-        return resolve_kernel("TEAL", self.kernel, cfg)
 
     def bind(self, cfg: ModelConfig) -> Plan:
         f, s = cfg.intermediate_size, self.sparsity(cfg)
@@ -271,12 +279,3 @@ class TEAL(ThresholdMethod):
             return DensePlan(f=f, n_keep=f)
         self._thresholds_for(cfg)  # an unprepared or mismatched method fails here, as it always has
         return TEALPlan(f=f, n_keep=round(f * (1.0 - s)), sparsity=s, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg))
-
-    def data(self, model) -> dict | None:
-        """`ThresholdMethod.data`, and with a Pallas kernel ``"rows"``: the model's FFN weights
-        as input-major copies (`input_rows.input_rows_data`, built once per model): a second
-        copy of the FFN weights, which the decode steps read instead of the model's."""
-        data = super().data(model)
-        if data is None or self.resolved_kernel(model.config) == "xla":
-            return data
-        return {**data, "rows": input_rows_data(model)}

@@ -25,7 +25,8 @@ from popjax.eval.teacher import teacher_forced
 from popjax.generation import generate_ids
 from popjax.analysis.topologies import resolve_topology
 from popjax.kernels import decode_ffn, ffn_gpu, matvec_tpu
-from popjax.kernels.ffn_layout import InputRows, channel_lines, gather_matvec_bytes, stacked_input_layout
+from popjax.kernels.ffn_layout import InputRows, channel_lines, stacked_input_layout
+from popjax.kernels.traffic import gather_matvec_bytes
 from popjax.kernels.int8 import quantize
 from popjax.loaded import with_scanned_layers
 from popjax.methods import MethodError

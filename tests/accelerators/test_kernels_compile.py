@@ -17,7 +17,7 @@ from jax._src.pallas.mosaic.interpret import shared_memory  # private: the TPU s
 from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import resolve_topology
-from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
+from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, traffic
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
@@ -59,7 +59,7 @@ def test_block_kernel_compiles_for_v5e_within_its_stated_vmem(v5e):
     batch, d, f, b, n = 8, 1024, 2048, 128, 9
     est = ffn_tpu.block_vmem_bytes(batch, b, d, "bfloat16", "bfloat16", masked=True)
     compiled = compile_on(v5e, lambda *a: ffn_tpu.block_ffn(*a, vmem_limit_bytes=est), block_args(batch, d, f, b, n, "bfloat16", masked=True))
-    own = ffn_layout.block_ffn_bytes(n, n, b, d, batch, "bfloat16", "bfloat16", masked=True)
+    own = traffic.block_ffn_bytes(n, n, b, d, batch, "bfloat16", "bfloat16", masked=True)
     # the call's own traffic (+ XLA's id and mask preparation), not the whole 16-block slab
     assert own <= compiled.cost_analysis()["bytes accessed"] <= 1.05 * own < 0.6 * (f * 3 * d * 2)
     assert compiled.memory_analysis().temp_size_in_bytes < 3 * b * d * 2  # no slab copy
@@ -75,6 +75,33 @@ def test_gather_kernel_compiles_for_v5e_without_a_relayout(v5e):
     weights = 3 * f * 1024
     assert compiled.memory_analysis().temp_size_in_bytes < weights // 20
 
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_gated_gather_compiles_at_the_8b_stack(chip):
+    """CATS's kernel at Llama-3.1-8B's shapes: the gate values given, 32 layers' up/down rows
+    [2, 32, 14336, 32, 128] bf16 (a 7.5 GB stack) read at a traced layer, batch 8 with the batch's
+    union of 40% of the channels: Mosaic compiles it within the chip's VMEM, XLA copies no layer
+    out of the stack, and the call's cost is its own count at the expected rows."""
+    topology = resolve_topology(f"{chip}:1x1")
+    sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    batch, d, f, layers = 8, 4096, 14336, 32
+    lines = ffn_layout.channel_lines(d)
+    rows = ffn_layout.ChannelRows(S((2, layers, f, lines, 128), "bfloat16"))
+    kept = round(0.4 * f)
+
+    def call(x, rows, ids, count, gate, layer):
+        return ffn_tpu.gather_ffn(x, rows, ids, count=count, gate=gate, layer=layer, expected_rows=kept, chip=chip)
+
+    args = [S((batch, d), "bfloat16"), rows, S((f,), "int32"), S((), "int32"), S((batch, f), "float32"), S((), "int32")]
+    compiled = compile_on(sharding, call, args)
+    stack_bytes = 2 * layers * f * lines * 128 * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < stack_bytes // (layers * 20)  # not a layer's copy
+    own = traffic.gather_ffn_bytes(kept, f, 64, d, batch, "bfloat16", "bfloat16", matrices=2)
+    # + XLA's preparation of the gate values [B, f] into the kernel's [steps, B, 64] blocks (each
+    # padded to 128 lanes) and of the ids: 4.8 MB here, 5.1% of the call's 94.7 MB
+    assert own <= compiled.cost_analysis()["bytes accessed"] <= 1.06 * own
+    assert ffn_tpu.gather_vmem_bytes(batch, 64, d, "bfloat16", "bfloat16", matrices=2) < ffn_tpu.chip_vmem_bytes(chip)
 
 def test_input_gather_compiles_for_v5e(v5e):
     """TEAL's gate/up matvec (x's active inputs of W [2f, d]), int8, batch 8 per-row ids."""
@@ -154,8 +181,8 @@ def test_block_kernel_moves_the_bytes_it_counts():
     with hbm_traffic() as tally:
         jax.block_until_ready(ffn_tpu.block_ffn(x, slab, ids, jnp.ones((batch, nb), bool), count=5, interpret=pltpu.InterpretParams()))
     n = 6
-    fetches = ffn_layout.count_distinct_fetches(np.asarray([3, 3, 0, 2, 2, 2]))
-    counted = ffn_layout.block_ffn_bytes(fetches, n, b, d, batch, "int8", "float32", masked=True)
+    fetches = traffic.count_distinct_fetches(np.asarray([3, 3, 0, 2, 2, 2]))
+    counted = traffic.block_ffn_bytes(fetches, n, b, d, batch, "int8", "float32", masked=True)
     # the simulator keeps the scalar-prefetched ids in SMEM and reads the output block in once
     assert fetches == 3 and tally["read"] + tally["written"] == counted - 2 * n * 4 + batch * d * 4
 
@@ -169,9 +196,24 @@ def test_gather_kernel_moves_the_bytes_it_counts():
     ids = jnp.asarray([5, 9, 9, 30, 2, 63, 7, 0, 0], jnp.int32)  # 6 kept of count 7; 9 positions
     with hbm_traffic() as tally:
         jax.block_until_ready(ffn_tpu.gather_ffn(x, ffn_layout.ChannelRows(values), ids, count=7, chunk=chunk, interpret=pltpu.InterpretParams()))
-    counted = ffn_layout.gather_ffn_bytes(6, 9, chunk, 1024, batch, "bfloat16", "bfloat16")
+    counted = traffic.gather_ffn_bytes(6, 9, chunk, 1024, batch, "bfloat16", "bfloat16")
     assert tally["read"] + tally["written"] == counted - 2 * 12 * 4 + batch * width * 2
 
+
+
+def test_gated_gather_moves_the_bytes_it_counts():
+    """The gate values given: two DMAs per kept position (up, down), none for the gate, from a
+    stack of 3 layers read at layer 2 (the ids offset into the stack)."""
+    rng = np.random.default_rng(3)
+    batch, f, chunk = 2, 64, 4
+    (x, values, gate), width = _simulated(rng, ((batch, 1024), "bfloat16"), ((2, 3, f, 8, 128), "bfloat16"), ((batch, 9), "float32")), 1024
+    ids = jnp.asarray([5, 9, 9, 30, 2, 63, 7, 0, 0], jnp.int32)  # 6 kept of count 7; 9 positions
+    with hbm_traffic() as tally:
+        y = ffn_tpu.gather_ffn(x, ffn_layout.ChannelRows(values), ids, count=7, gate=gate, layer=2, chunk=chunk,
+                               interpret=pltpu.InterpretParams())
+        jax.block_until_ready(y)
+    counted = traffic.gather_ffn_bytes(6, 9, chunk, 1024, batch, "bfloat16", "bfloat16", matrices=2)
+    assert tally["read"] + tally["written"] == counted - 2 * 12 * 4 + batch * width * 2
 
 def test_input_gather_moves_the_bytes_it_counts():
     rng = np.random.default_rng(2)
@@ -182,7 +224,7 @@ def test_input_gather_moves_the_bytes_it_counts():
         y = matvec_tpu.gather_matvec(x, ffn_layout.InputRows(values), ids, count=jnp.asarray([5, 3]), out_features=n, chunk=chunk, interpret=pltpu.InterpretParams())
         jax.block_until_ready(y)
     positions = min(k, batch * 6)  # the union's static size
-    counted = ffn_layout.gather_matvec_bytes(6, positions, chunk, n, batch, "float32", "float32")
+    counted = traffic.gather_matvec_bytes(6, positions, chunk, n, batch, "float32", "float32")
     assert tally["read"] + tally["written"] == counted - 2 * 16 * 4 + batch * 1024 * 4
 
 
@@ -201,7 +243,7 @@ def test_block_matvec_compiles_at_the_8b_shapes(chip):
         rows = ffn_layout.InputRows(S((n_c, d // 128, 128), w_dtype), scale)
         fn = lambda x, r, i: matvec_tpu.block_matvec(x, r, i, block=b, out_features=d, chip=chip, vmem_limit_bytes=est)  # noqa: E731,B023
         compiled = compile_on(sharding, fn, [S((1, n_c), "bfloat16"), rows, S((nb,), "int32")])
-        own = ffn_layout.block_matvec_bytes(nb, nb, b, d, 1, w_dtype, "bfloat16")
+        own = traffic.block_matvec_bytes(nb, nb, b, d, 1, w_dtype, "bfloat16")
         assert own <= compiled.cost_analysis()["bytes accessed"] <= 1.05 * own < 0.6 * n_c * d * jnp.dtype(w_dtype).itemsize
         assert compiled.memory_analysis().temp_size_in_bytes < b * d  # ids and x's values, no copy of the rows
 
@@ -215,8 +257,8 @@ def test_block_matvec_moves_the_bytes_it_counts():
     with hbm_traffic() as tally:
         jax.block_until_ready(matvec_tpu.block_matvec(x, ffn_layout.InputRows(values), jnp.asarray(ids), block=b, out_features=n,
                                                       interpret=pltpu.InterpretParams()))
-    fetches = ffn_layout.count_distinct_fetches(ids)
-    counted = ffn_layout.block_matvec_bytes(fetches, len(ids), b, n, batch, "float32", "float32")
+    fetches = traffic.count_distinct_fetches(ids)
+    counted = traffic.block_matvec_bytes(fetches, len(ids), b, n, batch, "float32", "float32")
     # the simulator keeps the scalar-prefetched ids in SMEM and reads the output block in once
     assert fetches == 3 and tally["read"] + tally["written"] == counted - len(ids) * 4 + batch * 1024 * 4
 
@@ -247,7 +289,13 @@ def test_bad_input_is_one_clear_line():
     _fail(ffn_tpu.block_ffn, x, slab, S((2,), "int32"), S((3, 2), "bool"), match=r"row_mask of shape \(3, 2\) does not fit")
     _fail(ffn_gpu.block_ffn, S((2, 200), "bfloat16"), slab, S((2,), "int32"), match=r"x of shape \(2, 200\) does not fit the weights")
     x, rows, _ = gather_args(2, 2048, 256, 4, "bfloat16")
-    _fail(ffn_tpu.gather_ffn, S((2, 1000), "bfloat16"), rows, S((4,), "int32"), match=r"do not fit x's d=1000; expected \[3, f, 8, 128\]")
+    _fail(ffn_tpu.gather_ffn, S((2, 1000), "bfloat16"), rows, S((4,), "int32"), match=r"do not fit x's d=1000; expected \[3, \(S,\) f, 8, 128\]")
+    up_down = ffn_layout.ChannelRows(S((2, 3, 256, 16, 128), "bfloat16"))  # a stack of 3 layers' up and down rows
+    _fail(ffn_tpu.gather_ffn, x, up_down, S((4,), "int32"), match=r"expected \[3, \(S,\) f, 16, 128\]")  # no gate values given
+    _fail(ffn_gpu.gather_ffn, x, up_down, S((4,), "int32"), gate=S((2, 4), "float32"),
+          match=r"a stack \[m, S, f, L, 128\] needs a layer index, one matrix none")
+    _fail(ffn_tpu.gather_ffn, x, up_down, S((4,), "int32"), gate=S((2, 256), "float32"), layer=1,
+          match=r"gate of shape \(2, 256\) with ids of shape \(4,\): given gate values are \[B, m\] = \[2, m\] beside ids \[m\]")
     _fail(ffn_tpu.gather_ffn, x, rows, S((3, 4), "int32"), match=r"ids of shape \(3, 4\) do not fit")
     _fail(ffn_tpu.gather_ffn, x, rows, S((4,), "int32"), chunk=0, match="chunk=0 must be a positive")
     _fail(ffn_tpu.gather_ffn, S((2, 2048), "int8"), rows, S((4,), "int32"), match="x of dtype int8 is not supported")

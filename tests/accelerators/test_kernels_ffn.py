@@ -6,6 +6,7 @@ tests/accelerators/test_kernels_compile.py."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,49 @@ def test_gather_ffn_matches_numpy(case):
         kwargs = {"chunk": 8} if platform == "tpu" else {}
         y = KERNELS[platform].gather_ffn(x, rows, jnp.asarray(ids), count=37, act=act, interpret=True, **kwargs)
     check(y, reference(x64, gate_up, down, channels, act), x_dtype)
+
+
+
+# (platform, weights, batch, stacked): the gate values given (CATS), from a channel layout's three
+# rows (its gate row never read) or from a stack of layers' up/down rows read at a traced layer
+GATED_CASES = [("tpu", "float32", 2, True), ("gpu", "float32", 2, True), ("tpu", "int8", 3, False), ("gpu", "int8", 3, True),
+               ("tpu", "bfloat16", 1, False)]
+
+
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-B{c[2]}-{'stack' if c[3] else 'rows'}")
+def test_gather_ffn_given_the_gate_values(case):
+    """y[r] = Σ_p gate[r, p] · (up_c · x_r) · down[:, c] over the selected positions p (channel
+    c = ids[p]: count 7 of 8, a repeat, an id past f, an id −1); the gate values by position are
+    used as given, a row's zeros leaving out the channels it does not keep."""
+    platform, w_dtype, batch, stacked = case
+    layers = [weights(w_dtype, seed=seed) for seed in range(3)]
+    layer = 1
+    args, gate_up, down = layers[layer]
+    if stacked:
+        stack = [np.stack([np.asarray(a[k]) for a, _, _ in layers]) for k in range(len(args))]
+        up_scale = stack[2][:, 1] if w_dtype == "int8" else None
+        down_scale = stack[3] if w_dtype == "int8" else None
+        rows = ffn_layout.stacked_up_down_layout(*(None if a is None else jnp.asarray(a)
+                                                   for a in (stack[0][:, 1], stack[1], up_scale, down_scale)))
+    else:
+        rows = ffn_layout.channel_layout(*args)
+    x, x64 = inputs(batch, "bfloat16" if w_dtype == "bfloat16" else "float32")
+    ids = np.array([4, 9, 9, 50, -1, 95, F + 2, 1], np.int32)
+    gate = np.random.default_rng(5).standard_normal((batch, ids.size)).astype(np.float32)
+    gate[0, 3] = gate[-1, 0] = 0.0  # channels those rows do not keep
+    positions = [p for p in range(7) if 0 <= ids[p] < F and not (p and ids[p] == ids[p - 1])]
+
+    def call(at):
+        return KERNELS[platform].gather_ffn(x, rows, jnp.asarray(ids), count=7, gate=jnp.asarray(gate),
+                                            layer=at if stacked else None, interpret=True)
+
+    y = jax.jit(call)(jnp.asarray(layer, jnp.int32))
+    want = np.zeros((batch, D))
+    for r in range(batch):
+        for p in positions:
+            c = ids[p]
+            want[r] += gate[r, p] * (x64[r] @ gate_up[1, c]) * down[:, c]
+    check(y, want, "bfloat16" if w_dtype == "bfloat16" else "float32")
 
 
 def test_tpu_gather_dma_semantics_in_the_tpu_simulator():

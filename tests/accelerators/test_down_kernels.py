@@ -1,0 +1,161 @@
+"""The ``kernel`` hyper-parameter of the methods that choose H's channels per step from values
+computed densely, CATS and dynamic POP (docs/kernels.md, "CATS and dynamic POP"), through the
+Pallas kernels (the TPU ones in interpret mode here) equal to their XLA path in greedy tokens and
+log-probabilities; the copies of the weights they carry; what they read per step; the platform
+choice and the bad inputs.
+
+Dynamic POP scores every channel from H, so gate and up stay XLA's dense matmuls and only its
+down read goes through `kernels.decode_ffn.masked_matvec` (the input-major down copy, shared with
+TEAL's). CATS keeps a channel by its gate value: the gate stays dense, and one
+`kernels.decode_ffn.gated_ffn` call reads the kept channels' up and down rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import popjax
+from popjax import kernels
+from popjax.eval.teacher import teacher_forced
+from popjax.generation import generate_ids
+from popjax.kernels.ffn_layout import channel_lines
+from popjax.loaded import with_scanned_layers
+from popjax.methods import MethodError
+from tests.conftest import random_prompts
+from tests.methods.test_calibration import tiny_corpus
+
+# Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
+pytestmark = pytest.mark.slow
+
+LOGPROB_ATOL = 1e-5
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_checkpoints):
+    """The tiny Gemma 3 (GeGLU FFN, sliding-window layers), loaded once for this file."""
+    directory, _ = tiny_checkpoints("gemma3-window")
+    return popjax.load(directory, cache=False)
+
+
+@pytest.fixture(scope="module")
+def llama_int8(tiny_checkpoints):
+    """The tiny LLaMA with int8 weights and float activations (the kernels' int8 form: int8
+    rows, per-channel scales, float x), loaded once for this file."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    return popjax.load(directory, cache=False, weights="int8", activations="float")
+
+
+def _ready(name: str, model, aggregate: str, tmp_path_factory):
+    """CATS at its paper's 50% channel sparsity (thresholds calibrated on a small text) or dynamic
+    POP 40%, through XLA."""
+    if name == "dynamic":
+        return popjax.Dynamic(ratio=0.4, aggregate=aggregate, kernel="xla")
+    cache = tmp_path_factory.mktemp("cats-calibration")
+    return popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
+
+
+def _logprobs(model, method, prompts, targets) -> np.ndarray:
+    return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
+
+
+# (method, family, layout, aggregate): both FFN activations, the batch's shared selection and
+# per-row ones (CATS's per-token masks; dynamic's per-sequence selection: the kernel under vmap),
+# and the scanned model, where the layer index the kernel reads the stacked copy at is traced;
+# int8 weights (their up and down scales in CATS's copy)
+CASES = [("cats", "llama", "unrolled", "max"), ("cats", "gemma3", "scanned", "per_token"), ("cats", "llama_int8", "unrolled", "per_token"),
+         ("dynamic", "llama", "unrolled", "per_sequence"), ("dynamic", "gemma3", "unrolled", "shared"),
+         ("dynamic", "llama", "scanned", "shared")]
+
+
+@pytest.mark.parametrize("name, family, layout, aggregate", CASES)
+def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, layout, aggregate):
+    """Log-probs within 1e-5 and the same greedy tokens (XLA's greedy continuation, fed to both
+    paths, is the argmax of the kernel path's log-probs), batch 2."""
+    model = tiny_model if family == "llama" else request.getfixturevalue(family)
+    xla = _ready(name, model, aggregate, tmp_path_factory)
+    if layout == "scanned":
+        model = with_scanned_layers(model)
+    pallas = dataclasses.replace(xla, kernel="pallas")
+    assert pallas.bind(model.config).kernel == "pallas-interpret" and xla.bind(model.config).kernel == "xla"
+    prompts = random_prompts(np.random.default_rng(1), (9, 6), model.config.vocab_size)
+    greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
+    got, want = _logprobs(model, pallas, prompts, greedy), _logprobs(model, xla, prompts, greedy)
+    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    np.testing.assert_array_equal(got.argmax(-1), greedy)
+
+
+def _thresholds(cfg, method):
+    """Thresholds for ``method``'s budget without a calibration (what bind and data check)."""
+    from popjax.methods.teal import Thresholds
+
+    targets = method.targets(cfg)
+    per_tensor = tuple((tensor, (0.1,) * cfg.num_hidden_layers) for tensor in targets)
+    return dataclasses.replace(method, thresholds=Thresholds(tuple((t, s) for t, (_, s) in targets.items()), per_tensor))
+
+
+def test_the_copies_they_read(tiny_model):
+    """Dynamic POP carries ``rows = {"down": ...}``, W_d input-major (row j = channel j's
+    column), the same array TEAL's kernel reads (built once per model); CATS ``up_down``, every
+    layer's up rows and down columns as channel rows [2, L, f, L_d, 128]; with XLA no copy."""
+    cfg = tiny_model.config
+    L, f, d = cfg.num_hidden_layers, cfg.intermediate_size, cfg.hidden_size
+    cats = _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="pallas"))
+    dynamic = popjax.Dynamic(ratio=0.4, kernel="pallas")
+    teal = _thresholds(cfg, popjax.TEAL(ratio=0.4, kernel="pallas"))
+    rows = dynamic.data(tiny_model)["rows"]
+    assert set(rows) == {"down"} and rows["down"].values.shape == (L, f, channel_lines(d), 128)
+    stack = tiny_model.ffn_stack()
+    np.testing.assert_array_equal(np.asarray(rows["down"].values[1]).reshape(f, -1)[:, :d], np.asarray(stack.down[1]).T)
+    assert teal.data(tiny_model)["rows"]["down"] is rows["down"]  # one down copy per model
+    up_down = cats.data(tiny_model)["up_down"]
+    assert up_down.values.shape == (2, L, f, channel_lines(d), 128) and up_down.gate_up_scale is None
+    np.testing.assert_array_equal(np.asarray(up_down.values[0, 1]).reshape(f, -1)[:, :d], np.asarray(stack.gate_up[1, 1]))
+    np.testing.assert_array_equal(np.asarray(up_down.values[1, 0]).reshape(f, -1)[:, :d], np.asarray(stack.down[0]).T)
+    assert cats.data(tiny_model)["up_down"] is up_down and "rows" not in cats.data(tiny_model)
+    assert "up_down" not in dataclasses.replace(cats, kernel="xla").data(tiny_model)
+    assert dataclasses.replace(dynamic, kernel="xla").data(tiny_model) is None
+    assert popjax.Dynamic(ratio=0.0, kernel="pallas").data(tiny_model) is None  # keeps every channel: dense
+
+
+def test_weights_read_per_step(tiny_model):
+    """XLA's dynamic gathers the n_keep down columns; the TPU kernel reads each selected row of
+    the down copy whole (L·128 lanes), the GPU kernel its d entries. CATS: all of W_g, then the
+    kept channels' rows of W_u and W_d (L·128 lanes each on TPU)."""
+    cfg = tiny_model.config
+    f, d = cfg.intermediate_size, cfg.hidden_size
+    lanes = channel_lines(d) * 128
+    xla = popjax.Dynamic(ratio=0.4, kernel="xla").bind(cfg)
+    n_keep = xla.n_keep
+    assert xla.ffn_weights_read(d) == 2 * d * f + d * n_keep
+    tpu, gpu = (dataclasses.replace(xla, kernel=k) for k in ("pallas-tpu", "pallas-gpu"))
+    assert tpu.ffn_weights_read(d) == 2 * d * f + lanes * n_keep and gpu.ffn_weights_read(d) == 2 * d * f + d * n_keep
+    cats = _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="xla")).bind(cfg)
+    kept = round(f * (1 - cats.sparsity))
+    assert cats.ffn_weights_read(d) == round(d * f * (1 + 2 * (1 - cats.sparsity)))
+    assert dataclasses.replace(cats, kernel="pallas-tpu").ffn_weights_read(d) == d * f + 2 * lanes * kept
+    assert dataclasses.replace(cats, kernel="pallas-gpu").ffn_weights_read(d) == cats.ffn_weights_read(d)
+
+
+def test_kernel_choice_and_bad_input(tiny_model):
+    """"auto" is XLA on this CPU and the platform's kernel where programs compile for a TPU or a
+    GPU (`kernels.compiling_for`); a mixture-of-experts model keeps XLA and refuses "pallas" in
+    one line; an unknown kernel is one line."""
+    cfg = tiny_model.config
+    for method in (popjax.Dynamic(ratio=0.4), _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5))):
+        assert method.kernel == "auto" and method.bind(cfg).kernel == "xla"
+        with kernels.compiling_for("tpu"):
+            assert method.bind(cfg).kernel == "pallas-tpu"
+        with kernels.compiling_for("gpu"):
+            assert method.bind(cfg).kernel == "pallas-gpu"
+    moe = dataclasses.replace(cfg, moe=object())  # what `loaded.uniform_ffn` asks: a mixture of experts
+    assert popjax.Dynamic(ratio=0.4).resolved_kernel(moe) == "xla"
+    with pytest.raises(MethodError) as err:
+        popjax.Dynamic(ratio=0.4, kernel="pallas").resolved_kernel(moe)
+    assert str(err.value).startswith("Dynamic: kernel='pallas' reads a stack of equal dense FFN weights") and "\n" not in str(err.value)
+    for make in (popjax.Dynamic, popjax.CATS):
+        with pytest.raises(MethodError, match="kernel='triton' is not one of"):
+            make(ratio=0.4, kernel="triton")
