@@ -123,7 +123,7 @@ def test_mosaic_refuses_a_limit_below_the_estimate(v5e):
 
 
 # ------------------------------------------------------------------------- Triton for CUDA
-@pytest.mark.parametrize("kind", ["block-int8-masked", "gather-bf16-rows", "matvec-bf16"])
+@pytest.mark.parametrize("kind", ["block-int8-masked", "gather-bf16-rows", "gated-int8-stack", "matvec-bf16"])
 def test_gpu_kernels_lower_to_triton_for_cuda(kind):
     if kind.startswith("matvec"):
         rows = ffn_layout.InputRows(S((1000, 16, 128), "bfloat16"))
@@ -134,6 +134,10 @@ def test_gpu_kernels_lower_to_triton_for_cuda(kind):
     if kind.startswith("block"):
         fn = lambda x, s, i, m: ffn_gpu.block_ffn(x, s, i, m, act="gelu_pytorch_tanh")  # noqa: E731
         args = block_args(5, 1000, 1024, 128, 6, "int8", masked=True)
+    elif kind.startswith("gated"):  # CATS's: the gate values given, a stack of 4 layers' int8 up/down rows at a traced layer
+        fn = lambda x, r, i, g, layer: ffn_gpu.gather_ffn(x, r, i, gate=g, layer=layer)  # noqa: E731
+        rows = ffn_layout.ChannelRows(S((2, 4, 1024, 8, 128), "int8"), S((1, 4, 1024), "float32"), S((4, 1, 1024), "float32"))
+        args = [S((8, 1000), "bfloat16"), rows, S((1024,), "int32"), S((8, 1024), "float32"), S((), "int32")]
     else:
         fn = lambda x, r, i: ffn_gpu.gather_ffn(x, r, i)  # noqa: E731
         args = gather_args(8, 1000, 1024, 40, "bfloat16", per_row=True)
