@@ -72,7 +72,7 @@ def speed_table(bench: dict) -> str:
 
 
 TPU_STEPS = ("results/kernels/whole_step_v6e_bf16.json", "results/kernels/whole_step_v6e_bf16_teal.json",
-             "results/kernels/whole_step_v6e_bf16_wina_principal.json")
+             "results/kernels/whole_step_v6e_bf16_wina_principal.json", "results/kernels/whole_step_v6e_bf16_dynamic_cats.json")
 
 
 def tpu_table(reports: list[dict], ratio: float = 0.4) -> str:
