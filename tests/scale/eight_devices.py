@@ -99,6 +99,7 @@ def other_methods(model):
     out["pop-gate"] = make_method("pop-gate", ratio=0.3, gamma=0.2)
     out["pop-bands"] = popjax.LayerBandsPOP(0.3, gamma=0.2).with_drift([0.1, 0.9])  # bands from a given drift
     out["pop-pallas"] = popjax.POP(0.3, gamma=0.2, kernel="pallas")  # the kernel on every device (interpret mode)
+    out["dynamic-pallas"] = popjax.Dynamic(0.3, kernel="pallas")  # its replicated down copy
     if model is not None:  # calibrated for real, on random tokens (seconds on this model; not cached)
         from popjax.calibration import Corpus
 
@@ -110,6 +111,7 @@ def other_methods(model):
                              ("principal-teal", popjax.PrincipalTEAL(0.3, rank=2))):
             out[name] = method.calibrate(model, corpus, cache=False)  # Wanda-sp from a hand-made selection (no calibration): its kept rows split like static's
         out["teal-pallas"] = dataclasses.replace(out["teal"], kernel="pallas")  # its replicated copies, the kernel on every device
+        out["cats-pallas"] = dataclasses.replace(out["cats"], kernel="pallas")  # its up/down channel rows, the gated kernel
         from popjax.methods.wanda_sp import ChannelSelection
 
         cfg, rng = model.config, np.random.default_rng(5)
