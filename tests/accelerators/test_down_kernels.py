@@ -19,26 +19,15 @@ import pytest
 
 import popjax
 from popjax import kernels
-from popjax.eval.teacher import teacher_forced
-from popjax.generation import generate_ids
 from popjax.kernels.ffn_layout import channel_lines
-from popjax.loaded import with_scanned_layers
 from popjax.methods import MethodError
-from tests.conftest import random_prompts
+from tests.accelerators.kernel_paths import check_method_kernel
 from tests.methods.test_calibration import tiny_corpus
 
 # Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
 pytestmark = pytest.mark.slow
 
-LOGPROB_ATOL = 1e-5
-NEW_TOKENS = 6
 
-
-@pytest.fixture(scope="module")
-def gemma3(tiny_checkpoints):
-    """The tiny Gemma 3 (GeGLU FFN, sliding-window layers), loaded once for this file."""
-    directory, _ = tiny_checkpoints("gemma3-window")
-    return popjax.load(directory, cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +47,6 @@ def _ready(name: str, model, aggregate: str, tmp_path_factory):
     return popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
 
 
-def _logprobs(model, method, prompts, targets) -> np.ndarray:
-    return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
-
 
 # (method, family, layout, aggregate): both FFN activations, the batch's shared selection and
 # per-row ones (CATS's per-token masks; dynamic's per-sequence selection: the kernel under vmap),
@@ -73,19 +59,9 @@ CASES = [("cats", "llama", "unrolled", "max"), ("cats", "gemma3", "scanned", "pe
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)
 def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, layout, aggregate):
-    """Log-probs within 1e-5 and the same greedy tokens (XLA's greedy continuation, fed to both
-    paths, is the argmax of the kernel path's log-probs), batch 2."""
+    """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs, batch 2."""
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
-    xla = _ready(name, model, aggregate, tmp_path_factory)
-    if layout == "scanned":
-        model = with_scanned_layers(model)
-    pallas = dataclasses.replace(xla, kernel="pallas")
-    assert pallas.bind(model.config).kernel == "pallas-interpret" and xla.bind(model.config).kernel == "xla"
-    prompts = random_prompts(np.random.default_rng(1), (9, 6), model.config.vocab_size)
-    greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
-    got, want = _logprobs(model, pallas, prompts, greedy), _logprobs(model, xla, prompts, greedy)
-    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
-    np.testing.assert_array_equal(got.argmax(-1), greedy)
+    check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout, seed=1)
 
 
 def _thresholds(cfg, method):

@@ -21,27 +21,22 @@ from jax.experimental.pallas import tpu as pltpu
 
 import popjax
 from popjax import kernels
-from popjax.eval.teacher import teacher_forced
-from popjax.generation import generate_ids
 from popjax.analysis.topologies import resolve_topology
 from popjax.kernels import decode_ffn, ffn_gpu, matvec_tpu
 from popjax.kernels.ffn_layout import InputRows, channel_lines, stacked_input_layout
 from popjax.kernels.traffic import gather_matvec_bytes
 from popjax.kernels.int8 import quantize
-from popjax.loaded import with_scanned_layers
 from popjax.methods import MethodError
 from popjax.methods.input_rows import input_major_rows
 from popjax.methods.teal import Thresholds
 from tests.accelerators.test_kernels_compile import hbm_traffic
-from tests.conftest import random_prompts
+from tests.accelerators.kernel_paths import check_method_kernel
 from tests.methods.test_calibration import tiny_corpus
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
 pytestmark = pytest.mark.slow
 
-LOGPROB_ATOL = 1e-5
-NEW_TOKENS = 6
 
 
 # ------------------------------------------------------------------ the kernel against NumPy
@@ -170,13 +165,6 @@ def test_gpu_masked_matvec_lowers_to_triton_for_cuda():
 
 
 # ------------------------------------------------------------------ TEAL through the kernel
-@pytest.fixture(scope="module")
-def gemma(tiny_checkpoints):
-    """The tiny Gemma 3 (GeGLU FFN, sliding-window layers), loaded once for this file."""
-    directory, _ = tiny_checkpoints("gemma3-window")
-    return popjax.load(directory, cache=False)
-
-
 def _ready(name: str, model, aggregate: str, tmp_path_factory):
     """TEAL 40% (thresholds calibrated on a small text), WINA 40% (its column norms) or principal
     TEAL 40% (rank 4: bases and thresholds from the small text), through XLA."""
@@ -188,9 +176,6 @@ def _ready(name: str, model, aggregate: str, tmp_path_factory):
     return popjax.TEAL(ratio=0.4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
 
 
-def _logprobs(model, method, prompts, targets) -> np.ndarray:
-    return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
-
 
 # (method, family, layout, aggregate): both FFN activations, the batch's shared mask and per-row
 # masks, and the scanned model, where the layer index the kernel reads at is traced
@@ -200,19 +185,9 @@ CASES = [("teal", "llama", "unrolled", "max"), ("teal", "gemma3", "unrolled", "p
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)
 def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, layout, aggregate):
-    """Log-probs within 1e-5 and the same greedy tokens (XLA's greedy continuation, fed to both
-    paths, is the argmax of the kernel path's log-probs), batch 2."""
-    model = tiny_model if family == "llama" else request.getfixturevalue("gemma")
-    xla = _ready(name, model, aggregate, tmp_path_factory)
-    if layout == "scanned":
-        model = with_scanned_layers(model)
-    pallas = dataclasses.replace(xla, kernel="pallas")
-    assert pallas.bind(model.config).kernel == "pallas-interpret" and xla.bind(model.config).kernel == "xla"
-    prompts = random_prompts(np.random.default_rng(0), (9, 6), model.config.vocab_size)
-    greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
-    got, want = _logprobs(model, pallas, prompts, greedy), _logprobs(model, xla, prompts, greedy)
-    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
-    np.testing.assert_array_equal(got.argmax(-1), greedy)
+    """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs, batch 2."""
+    model = tiny_model if family == "llama" else request.getfixturevalue("gemma3")
+    check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout)
 
 
 def test_the_input_major_copies(tiny_model):

@@ -19,8 +19,6 @@ import pytest
 
 import popjax
 from popjax import kernels
-from popjax.eval.teacher import teacher_forced
-from popjax.generation import generate_ids
 from popjax.kernels.ffn_layout import InputRows, channel_lines
 from popjax.methods import MethodError
 from popjax.methods.pop import POPPlan
@@ -28,29 +26,19 @@ from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import GLOBAL_BAND, ExactScorer
 from popjax.kernels.int8 import Int8Weight, quantize
 from popjax.models.interface import FFNWeights
+from tests.accelerators.kernel_paths import assert_kernel_path_equals_xla
 from tests.conftest import random_prompts
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
 pytestmark = pytest.mark.slow
 
-LOGPROB_ATOL = 1e-5
-NEW_TOKENS = 6
 
-
-@pytest.fixture(scope="module")
-def gemma(tiny_checkpoints):
-    """The tiny Gemma 3 (GeGLU FFN, sliding-window layers), loaded once for this file."""
-    directory, _ = tiny_checkpoints("gemma3-window")
-    return popjax.load(directory, cache=False)
 
 
 def _prompts(model, batch: int, seed: int = 0) -> list[list[int]]:
     return random_prompts(np.random.default_rng(seed), (9, 6)[:batch], model.config.vocab_size)
 
-
-def _logprobs(model, method, prompts, targets) -> np.ndarray:
-    return np.asarray(teacher_forced(model, method, prompts, targets, with_logprobs=True)[1])
 
 
 # (family, batch, aggregate, block): both families, batch sizes and aggregates (the kernel under
@@ -60,19 +48,13 @@ CASES = [("llama", 1, "per_sequence", 1), ("llama", 2, "shared", 1), ("gemma3", 
 
 @pytest.mark.parametrize("family, batch, aggregate, block", CASES)
 def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block):
-    """Log-probs within 1e-5 and the same greedy tokens: XLA's greedy continuation, fed to both
-    paths, is the argmax of the Pallas path's log-probs at every step (so greedy decoding
-    through the kernel makes the same tokens, one compile fewer than a second generate)."""
-    model = tiny_model if family == "llama" else request.getfixturevalue("gemma")
+    """`kernel_paths.assert_kernel_path_equals_xla`: the same greedy tokens and log-probs."""
+    model = tiny_model if family == "llama" else request.getfixturevalue("gemma3")
     prompts = _prompts(model, batch)
     xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, block=block, kernel="xla")
     pallas = dataclasses.replace(xla, kernel="pallas")
     assert pallas.bind(model.config).kernel == "pallas-interpret"
-    greedy = np.asarray(generate_ids(model, prompts, NEW_TOKENS, method=xla, ignore_eos=True)[0])
-    assert greedy.shape == (batch, NEW_TOKENS)
-    got, want = _logprobs(model, pallas, prompts, greedy), _logprobs(model, xla, prompts, greedy)
-    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
-    np.testing.assert_array_equal(got.argmax(-1), greedy)
+    assert_kernel_path_equals_xla(model, xla, pallas, prompts)
 
 
 def _ffn_weights(int8: bool, f: int = 48, d: int = 40, seed: int = 0) -> FFNWeights:
