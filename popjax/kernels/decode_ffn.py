@@ -63,7 +63,8 @@ def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Arra
     """y [B, d] = Σ_{j active} gate[:, j] · (W_u[j] · x) · W_d[:, j] for x [B, d], the gate
     values gate [B, f] (act(W_g x), computed densely before the call: CATS keeps a channel by
     them) and active [B, f] or [f]: from ``rows``, a stack of up/down rows [2, S, f, L, 128]
-    (`ffn_layout.stacked_up_down_layout`) read at ``layer``, only the up and down rows of the
+    (`ffn_layout.stacked_up_down_layout`) read at ``layer`` (one layer's [m, f, L, 128]:
+    ``layer=None``), only the up and down rows of the
     channels some row keeps (their union; a row adds its own). ``expected_active``: the channels
     a call keeps at the method's target, for the TPU compiler's cost estimate."""
     def call(x, rows, active, layer, gate):
@@ -79,7 +80,7 @@ def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Arra
 
     if kernel not in ("pallas-gpu", *TPU_KERNELS):
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(_in_row_chunks(call))(x, rows, active, jnp.asarray(layer, jnp.int32), gate)
+    return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32), gate)
 
 
 def _in_row_chunks(call):

@@ -51,8 +51,9 @@ class CATSPlan(DensePrefillPlan):
     name: ClassVar[str] = "cats"
     sparsity: float = 0.0  # target fraction of channels zeroed
     aggregate: str = "max"
-    # what reads W_d's kept columns (`popjax.kernels.RESOLVED`, resolved at bind): "xla" (a mask
-    # before the dense matmul) or a Pallas kernel on the input-major down copy in ``w.data["rows"]``
+    # what reads the kept channels' up rows and down columns (`popjax.kernels.RESOLVED`, resolved
+    # at bind): "xla" (a mask before dense matmuls) or a Pallas kernel on the channel rows of
+    # ``w.data["up_down"]`` (`input_rows.kernel_gated_ffn`)
     kernel: str = "xla"
 
     def __post_init__(self):
