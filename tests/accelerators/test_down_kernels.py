@@ -13,7 +13,9 @@ TEAL's). CATS keeps a channel by its gate value: the gate stays dense, and one
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -62,6 +64,31 @@ def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, 
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
     check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout, seed=1)
 
+
+
+@pytest.mark.parametrize("kernel", ["pallas-interpret", "pallas-gpu"])
+def test_gated_ffn_above_the_kernels_rows_and_at_one_layer(kernel, monkeypatch):
+    """`decode_ffn.gated_ffn`, CATS's call: 70 rows (above `ffn_layout.MAX_BATCH` = 64: chunks of
+    64, each with its own union and its rows' gate values) with per-row masks, from a stack of 2
+    layers at layer 1; and one layer's rows (``layer=None``) with a shared mask. Against NumPy:
+    y[r] = Σ_j kept gate[r, j] · (up_j · x_r) · down[:, j]."""
+    from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout
+
+    # the GPU kernel in its own interpret mode (this CPU has no GPU)
+    monkeypatch.setattr(ffn_gpu, "gather_ffn", functools.partial(ffn_gpu.gather_ffn, interpret=True))
+    rng = np.random.default_rng(7)
+    layers, f, d, batch = 2, 48, 40, 70
+    up, down = rng.normal(size=(layers, f, d)).astype(np.float32), rng.normal(size=(layers, d, f)).astype(np.float32)
+    x, gate = rng.normal(size=(batch, d)).astype(np.float32), rng.normal(size=(batch, f)).astype(np.float32)
+    active = rng.random((batch, f)) < 0.4
+    stack = ffn_layout.stacked_up_down_layout(jnp.asarray(up), jnp.asarray(down))
+    got = decode_ffn.gated_ffn(jnp.asarray(x), stack, jnp.asarray(active), jnp.asarray(gate), layer=1, act="silu",
+                               expected_active=20, kernel=kernel)
+    np.testing.assert_allclose(np.asarray(got), (np.where(active, gate, 0) * (x @ up[1].T)) @ down[1].T, atol=2e-4, rtol=1e-4)
+    one, shared = ffn_layout.ChannelRows(stack.values[:, 0]), active[0]
+    got = decode_ffn.gated_ffn(jnp.asarray(x[:3]), one, jnp.asarray(shared), jnp.asarray(gate[:3]), layer=None, act="silu",
+                               expected_active=20, kernel=kernel)
+    np.testing.assert_allclose(np.asarray(got), (np.where(shared, gate[:3], 0) * (x[:3] @ up[0].T)) @ down[0].T, atol=2e-4, rtol=1e-4)
 
 def _thresholds(cfg, method):
     """Thresholds for ``method``'s budget without a calibration (what bind and data check)."""
