@@ -57,9 +57,13 @@ def input_rows_data(model, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, Inpu
     of `ROW_PARTS` only, each built once per model (``model.derived``; shared by every method
     that reads it) and, on a mesh, replicated: every device runs the kernel on whole copies
     (`kernels.decode_ffn.per_device`), placed once here so that no step gathers them."""
+    stacked = []  # the model's FFN stack, made at most once per call (a copy for an unrolled model)
+
     def build(part):
         def one(m):
-            rows = input_major_rows(m.ffn_stack(), (part,))[part]
+            if not stacked:
+                stacked.append(m.ffn_stack())
+            rows = input_major_rows(stacked[0], (part,))[part]
             return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
 
         return model.derived(f"input_major_{part}", one)
