@@ -30,8 +30,6 @@ from tests.methods.test_calibration import tiny_corpus
 pytestmark = pytest.mark.slow
 
 
-
-
 @pytest.fixture(scope="module")
 def llama_int8(tiny_checkpoints):
     """The tiny LLaMA with int8 weights and float activations (the kernels' int8 form: int8
@@ -49,7 +47,6 @@ def _ready(name: str, model, aggregate: str, tmp_path_factory):
     return popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
 
 
-
 # (method, family, layout, aggregate): both FFN activations for CATS (dynamic POP's kernel reads H,
 # after the activation), the batch's shared selection and per-row ones (CATS's per-token masks;
 # dynamic's per-sequence selection: the kernel under vmap), and the scanned model, where the layer
@@ -63,7 +60,6 @@ def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, 
     """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs, batch 2."""
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
     check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout, seed=1)
-
 
 
 @pytest.mark.parametrize("kernel", ["pallas-interpret", "pallas-gpu"])

@@ -38,7 +38,6 @@ from tests.methods.test_calibration import tiny_corpus
 pytestmark = pytest.mark.slow
 
 
-
 # ------------------------------------------------------------------ the kernel against NumPy
 def _reference(x, w, active):
     """y = W · (x where active), in float64: x [B, k], W [n, k], active [B, k] or [k]."""
@@ -174,7 +173,6 @@ def _ready(name: str, model, aggregate: str, tmp_path_factory):
         return popjax.PrincipalTEAL(ratio=0.4, rank=4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
     cache = tmp_path_factory.mktemp("teal-calibration")
     return popjax.TEAL(ratio=0.4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
-
 
 
 # (method, family, layout, aggregate): both FFN activations, the batch's shared mask and per-row

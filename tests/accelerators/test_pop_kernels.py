@@ -34,11 +34,8 @@ from tests.conftest import random_prompts
 pytestmark = pytest.mark.slow
 
 
-
-
 def _prompts(model, batch: int, seed: int = 0) -> list[list[int]]:
     return random_prompts(np.random.default_rng(seed), (9, 6)[:batch], model.config.vocab_size)
-
 
 
 # (family, batch, aggregate, block): both families, batch sizes and aggregates (the kernel under
