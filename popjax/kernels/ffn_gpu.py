@@ -76,9 +76,9 @@ def _gate_up_kernel(x_ref, w_ref, gid_ref, uid_ref, keep_ref, mask_ref, *refs, a
 
     zero = jnp.zeros((rows.shape[0], chunk), jnp.float32)
     g, u = lax.fori_loop(0, pl.cdiv(d, d_tile), tile, (zero, zero))
-    if int8:
-        g = g * gs_ref[0, pos][None, :]
-        u = u * gs_ref[1, pos][None, :]
+    if int8:  # gate_up_scale [2, U] (gate's, up's), or [1, U] (up's) when the gate values are given
+        g = g if gated else g * gs_ref[0, pos][None, :]
+        u = u * gs_ref[gs_ref.shape[0] - 1, pos][None, :]
     mask = plgpu.load(mask_ref.at[row_ix[:, None], pos[None, :]], mask=live[:, None], other=0)
     h = u * mask if gated else act(g) * u * mask
     # Stores index with the unclamped rows: masked lanes must not alias a live one (the CPU
@@ -122,7 +122,7 @@ def rows_ffn(
 ) -> jax.Array:
     """The FFN over a list of weight rows: x [B, d]; weights [R, ≥d] (float or int8); row_ids
     [3, U] int32 (the gate, up and down row of each position); keep [U] int32; mask [U, B]
-    fp32 or None; int8 scales gate_up_scale [2, U] and down_scale [1, ≥d]. -> y [B, d].
+    fp32 or None; int8 scales gate_up_scale [2, U] ([1, U], up's, when ``gated``) and down_scale [1, ≥d]. -> y [B, d].
     ``gated``: the mask holds the gate values (h = (up · x) ⊙ mask); no gate row is loaded."""
     batch, d = x.shape
     act_fn = activation(act)
@@ -215,7 +215,7 @@ def gather_ffn(
     if gate is not None:
         mask = jnp.broadcast_to(sel.keep[:, None].astype(jnp.float32) if mask is None else mask, (sel.ids.shape[0], batch))
         mask = mask * gate.astype(jnp.float32).T
-        gus = None if gus is None else jnp.concatenate([gus[-1:], gus[-1:]])  # [2, ·]: row 1 (up's) is the one used
+        gus = None if gus is None else gus[-1:]  # up's
     gus = None if gus is None else gus[:, fetch]
     flat = values.reshape(m * n_all, lines * 128)
     return rows_ffn(x, flat, row_ids, sel.keep, mask, gus, down_scale, act=act, gated=gate is not None, interpret=interpret,

@@ -124,20 +124,33 @@ def channel_lines(d: int) -> int:
     return -(-d // 1024) * 8
 
 
+def in_lines(rows: jax.Array) -> jax.Array:
+    """Rows [..., n] -> [..., L, 128] (L = `channel_lines(n)`, zero past n): each row whole
+    (8, 128) tiles, what a TPU DMA of one row needs."""
+    n = rows.shape[-1]
+    lines = channel_lines(n)
+    pad = [(0, 0)] * (rows.ndim - 1) + [(0, lines * 128 - n)]
+    return jnp.pad(rows, pad).reshape(*rows.shape[:-1], lines, 128)
+
+
+def line_scale(scale: jax.Array) -> jax.Array:
+    """Per-output-channel int8 scales [..., n, 1] -> [..., 1, L·128] fp32, 1 past n: the scale
+    of the outputs of `in_lines` rows."""
+    n = scale.shape[-2]
+    pad = [(0, 0)] * (scale.ndim - 2) + [(0, channel_lines(n) * 128 - n)]
+    return jnp.pad(scale[..., 0].astype(jnp.float32), pad, constant_values=1.0)[..., None, :]
+
+
 def channel_layout(
     gate_up: jax.Array, down: jax.Array, gate_up_scale: jax.Array | None = None, down_scale: jax.Array | None = None
 ) -> ChannelRows:
     """gate_up [2, f, d], down [d, f] (+ int8 scales) -> `ChannelRows` with values
     [3, f, L, 128]. Run once per model (it copies the weights)."""
     _check_scales(gate_up, down, gate_up_scale, down_scale)
-    f, d = gate_up.shape[1], gate_up.shape[2]
-    lines = channel_lines(d)
-    rows = jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, lines * 128 - d))).reshape(3, f, lines, 128)
+    rows = in_lines(jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0))
     if gate_up_scale is None:
         return ChannelRows(rows)
-    scale = jnp.pad(down_scale[:, 0].astype(jnp.float32), (0, lines * 128 - d), constant_values=1.0)
-    return ChannelRows(rows, gate_up_scale[..., 0].astype(jnp.float32), scale[None])
+    return ChannelRows(rows, gate_up_scale[..., 0].astype(jnp.float32), line_scale(down_scale))
 
 
 def stacked_up_down_layout(
@@ -146,14 +159,10 @@ def stacked_up_down_layout(
     """S layers' up [S, f, d] and down [S, d, f] (+ int8 scales [S, f, 1], [S, d, 1]) ->
     `ChannelRows` values [2, S, f, L, 128] (up rows, then down columns as rows), for a kernel
     given the gate values and a layer index. Run once per model (it copies the weights)."""
-    S, f, d = up.shape
-    lines = channel_lines(d)
-    rows = jnp.stack([up, jnp.swapaxes(down, 1, 2)])
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, lines * 128 - d))).reshape(2, S, f, lines, 128)
+    rows = in_lines(jnp.stack([up, jnp.swapaxes(down, 1, 2)]))
     if up_scale is None:
         return ChannelRows(rows)
-    scale = jnp.pad(down_scale[..., 0].astype(jnp.float32), ((0, 0), (0, lines * 128 - d)), constant_values=1.0)
-    return ChannelRows(rows, up_scale[None, ..., 0].astype(jnp.float32), scale[:, None])
+    return ChannelRows(rows, up_scale[None, ..., 0].astype(jnp.float32), line_scale(down_scale))
 
 
 def stack_view(rows: ChannelRows, layer, layers: int | None):
@@ -182,11 +191,8 @@ def input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
     if (jnp.dtype(w.dtype) == jnp.int8) != (scale is not None) or (scale is not None and tuple(scale.shape) != (n, 1)):
         given = None if scale is None else tuple(scale.shape)
         raise ValueError(f"W of dtype {w.dtype} with scale {given}: int8 W needs scale [{n}, 1], float W none")
-    lines = channel_lines(n)
-    values = jnp.pad(jnp.swapaxes(w, 0, 1), ((0, 0), (0, lines * 128 - n))).reshape(k, lines, 128)
-    if scale is None:
-        return InputRows(values)
-    return InputRows(values, jnp.pad(scale[:, 0].astype(jnp.float32), (0, lines * 128 - n), constant_values=1.0)[None])
+    values = in_lines(jnp.swapaxes(w, 0, 1))
+    return InputRows(values) if scale is None else InputRows(values, line_scale(scale))
 
 
 def stacked_input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputRows:
