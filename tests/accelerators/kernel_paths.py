@@ -1,5 +1,6 @@
 """The check every method's ``kernel="pallas"`` path passes against its ``kernel="xla"`` path
-(tests/accelerators/test_*_kernels.py): the same greedy tokens and log-probabilities."""
+(tests/accelerators/test_*_kernels.py): the same greedy tokens and log-probabilities; the
+methods prepared for it (`ready`), and thresholds that need no calibration (`placeholder_thresholds`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import dataclasses
 
 import numpy as np
 
+import popjax
 from popjax.eval.teacher import teacher_forced
 from popjax.generation import generate_ids
 from popjax.loaded import with_scanned_layers
+from popjax.methods.teal import Thresholds
 from tests.conftest import random_prompts
+from tests.methods.test_calibration import tiny_corpus
 
 LOGPROB_ATOL = 1e-5
 NEW_TOKENS = 6
@@ -43,3 +47,27 @@ def check_method_kernel(model, xla, layout: str, seed: int = 0) -> None:
     assert pallas.bind(model.config).kernel == "pallas-interpret" and xla.bind(model.config).kernel == "xla"
     prompts = random_prompts(np.random.default_rng(seed), (9, 6), model.config.vocab_size)
     assert_kernel_path_equals_xla(model, xla, pallas, prompts)
+
+
+def ready(name: str, model, aggregate: str, cache_dir):
+    """``name``'s method with ``kernel="xla"``, prepared for ``model``: TEAL 40% and CATS at its
+    paper's 50% channel sparsity (thresholds calibrated on a small text, cached in ``cache_dir``),
+    WINA 40% (its column norms), principal TEAL 40% (rank 4: bases and thresholds from the small
+    text) or dynamic POP 40%."""
+    if name == "wina":
+        return popjax.WINA(ratio=0.4, aggregate=aggregate, kernel="xla").prepare(model)
+    if name == "principal-teal":
+        return popjax.PrincipalTEAL(ratio=0.4, rank=4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
+    if name == "dynamic":
+        return popjax.Dynamic(ratio=0.4, aggregate=aggregate, kernel="xla")
+    method = popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla") if name == "cats" else \
+        popjax.TEAL(ratio=0.4, aggregate=aggregate, kernel="xla")
+    return method.calibrate(model, tiny_corpus(), cache_dir=cache_dir)
+
+
+def placeholder_thresholds(cfg, method):
+    """``method`` (TEAL or CATS) with thresholds for its budget and no calibration (what bind and
+    data check; the values, 0.1 for every layer, matter to no test that uses them)."""
+    targets = method.targets(cfg)
+    per_tensor = tuple((tensor, (0.1,) * cfg.num_hidden_layers) for tensor in targets)
+    return dataclasses.replace(method, thresholds=Thresholds(tuple((t, s) for t, (_, s) in targets.items()), per_tensor))

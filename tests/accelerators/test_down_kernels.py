@@ -21,10 +21,9 @@ import pytest
 
 import popjax
 from popjax import kernels
-from popjax.kernels.ffn_layout import channel_lines
 from popjax.methods import MethodError
-from tests.accelerators.kernel_paths import check_method_kernel
-from tests.methods.test_calibration import tiny_corpus
+from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout
+from tests.accelerators.kernel_paths import check_method_kernel, placeholder_thresholds, ready
 
 # Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
 pytestmark = pytest.mark.slow
@@ -36,15 +35,6 @@ def llama_int8(tiny_checkpoints):
     rows, per-channel scales, float x), loaded once for this file."""
     directory, _ = tiny_checkpoints("llama-gqa")
     return popjax.load(directory, cache=False, weights="int8", activations="float")
-
-
-def _ready(name: str, model, aggregate: str, tmp_path_factory):
-    """CATS at its paper's 50% channel sparsity (thresholds calibrated on a small text) or dynamic
-    POP 40%, through XLA."""
-    if name == "dynamic":
-        return popjax.Dynamic(ratio=0.4, aggregate=aggregate, kernel="xla")
-    cache = tmp_path_factory.mktemp("cats-calibration")
-    return popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
 
 
 # (method, family, layout, aggregate): both FFN activations for CATS (dynamic POP's kernel reads H,
@@ -59,7 +49,7 @@ CASES = [("cats", "llama", "unrolled", "max"), ("cats", "gemma3", "scanned", "pe
 def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, layout, aggregate):
     """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs, batch 2."""
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
-    check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout, seed=1)
+    check_method_kernel(model, ready(name, model, aggregate, tmp_path_factory.mktemp("calibration")), layout, seed=1)
 
 
 @pytest.mark.parametrize("kernel", ["pallas-interpret", "pallas-gpu"])
@@ -68,8 +58,6 @@ def test_gated_ffn_above_the_kernels_rows_and_at_one_layer(kernel, monkeypatch):
     64, each with its own union and its rows' gate values) with per-row masks, from a stack of 2
     layers at layer 1; and one layer's rows (``layer=None``) with a shared mask. Against NumPy:
     y[r] = Σ_j kept gate[r, j] · (up_j · x_r) · down[:, j]."""
-    from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout
-
     # the GPU kernel in its own interpret mode (this CPU has no GPU)
     monkeypatch.setattr(ffn_gpu, "gather_ffn", functools.partial(ffn_gpu.gather_ffn, interpret=True))
     rng = np.random.default_rng(7)
@@ -86,31 +74,22 @@ def test_gated_ffn_above_the_kernels_rows_and_at_one_layer(kernel, monkeypatch):
                                expected_active=20, kernel=kernel)
     np.testing.assert_allclose(np.asarray(got), (np.where(shared, gate[:3], 0) * (x[:3] @ up[0].T)) @ down[0].T, atol=2e-4, rtol=1e-4)
 
-def _thresholds(cfg, method):
-    """Thresholds for ``method``'s budget without a calibration (what bind and data check)."""
-    from popjax.methods.teal import Thresholds
-
-    targets = method.targets(cfg)
-    per_tensor = tuple((tensor, (0.1,) * cfg.num_hidden_layers) for tensor in targets)
-    return dataclasses.replace(method, thresholds=Thresholds(tuple((t, s) for t, (_, s) in targets.items()), per_tensor))
-
-
 def test_the_copies_they_read(tiny_model):
     """Dynamic POP carries ``rows = {"down": ...}``, W_d input-major (row j = channel j's
     column), the same array TEAL's kernel reads (built once per model); CATS ``up_down``, every
     layer's up rows and down columns as channel rows [2, L, f, L_d, 128]; with XLA no copy."""
     cfg = tiny_model.config
     L, f, d = cfg.num_hidden_layers, cfg.intermediate_size, cfg.hidden_size
-    cats = _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="pallas"))
+    cats = placeholder_thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="pallas"))
     dynamic = popjax.Dynamic(ratio=0.4, kernel="pallas")
-    teal = _thresholds(cfg, popjax.TEAL(ratio=0.4, kernel="pallas"))
+    teal = placeholder_thresholds(cfg, popjax.TEAL(ratio=0.4, kernel="pallas"))
     rows = dynamic.data(tiny_model)["rows"]
-    assert set(rows) == {"down"} and rows["down"].values.shape == (L, f, channel_lines(d), 128)
+    assert set(rows) == {"down"} and rows["down"].values.shape == (L, f, ffn_layout.channel_lines(d), 128)
     stack = tiny_model.ffn_stack()
     np.testing.assert_array_equal(np.asarray(rows["down"].values[1]).reshape(f, -1)[:, :d], np.asarray(stack.down[1]).T)
     assert teal.data(tiny_model)["rows"]["down"] is rows["down"]  # one down copy per model
     up_down = cats.data(tiny_model)["up_down"]
-    assert up_down.values.shape == (2, L, f, channel_lines(d), 128) and up_down.gate_up_scale is None
+    assert up_down.values.shape == (2, L, f, ffn_layout.channel_lines(d), 128) and up_down.gate_up_scale is None
     np.testing.assert_array_equal(np.asarray(up_down.values[0, 1]).reshape(f, -1)[:, :d], np.asarray(stack.gate_up[1, 1]))
     np.testing.assert_array_equal(np.asarray(up_down.values[1, 0]).reshape(f, -1)[:, :d], np.asarray(stack.down[0]).T)
     assert cats.data(tiny_model)["up_down"] is up_down and "rows" not in cats.data(tiny_model)
@@ -125,13 +104,13 @@ def test_weights_read_per_step(tiny_model):
     kept channels' rows of W_u and W_d (L·128 lanes each on TPU)."""
     cfg = tiny_model.config
     f, d = cfg.intermediate_size, cfg.hidden_size
-    lanes = channel_lines(d) * 128
+    lanes = ffn_layout.channel_lines(d) * 128
     xla = popjax.Dynamic(ratio=0.4, kernel="xla").bind(cfg)
     n_keep = xla.n_keep
     assert xla.ffn_weights_read(d) == 2 * d * f + d * n_keep
     tpu, gpu = (dataclasses.replace(xla, kernel=k) for k in ("pallas-tpu", "pallas-gpu"))
     assert tpu.ffn_weights_read(d) == 2 * d * f + lanes * n_keep and gpu.ffn_weights_read(d) == 2 * d * f + d * n_keep
-    cats = _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="xla")).bind(cfg)
+    cats = placeholder_thresholds(cfg, popjax.CATS(ffn_sparsity=0.5, kernel="xla")).bind(cfg)
     kept = round(f * (1 - cats.sparsity))
     assert cats.ffn_weights_read(d) == round(d * f * (1 + 2 * (1 - cats.sparsity)))
     assert dataclasses.replace(cats, kernel="pallas-tpu").ffn_weights_read(d) == d * f + 2 * lanes * kept
@@ -143,7 +122,7 @@ def test_kernel_choice_and_bad_input(tiny_model):
     GPU (`kernels.compiling_for`); a mixture-of-experts model keeps XLA and refuses "pallas" in
     one line; an unknown kernel is one line."""
     cfg = tiny_model.config
-    for method in (popjax.Dynamic(ratio=0.4), _thresholds(cfg, popjax.CATS(ffn_sparsity=0.5))):
+    for method in (popjax.Dynamic(ratio=0.4), placeholder_thresholds(cfg, popjax.CATS(ffn_sparsity=0.5))):
         assert method.kernel == "auto" and method.bind(cfg).kernel == "xla"
         with kernels.compiling_for("tpu"):
             assert method.bind(cfg).kernel == "pallas-tpu"

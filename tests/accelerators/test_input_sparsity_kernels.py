@@ -28,10 +28,8 @@ from popjax.kernels.traffic import gather_matvec_bytes
 from popjax.kernels.int8 import quantize
 from popjax.methods import MethodError
 from popjax.methods.input_rows import input_major_rows
-from popjax.methods.teal import Thresholds
 from tests.accelerators.test_kernels_compile import hbm_traffic
-from tests.accelerators.kernel_paths import check_method_kernel
-from tests.methods.test_calibration import tiny_corpus
+from tests.accelerators.kernel_paths import check_method_kernel, placeholder_thresholds, ready
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
@@ -164,17 +162,6 @@ def test_gpu_masked_matvec_lowers_to_triton_for_cuda():
 
 
 # ------------------------------------------------------------------ TEAL through the kernel
-def _ready(name: str, model, aggregate: str, tmp_path_factory):
-    """TEAL 40% (thresholds calibrated on a small text), WINA 40% (its column norms) or principal
-    TEAL 40% (rank 4: bases and thresholds from the small text), through XLA."""
-    if name == "wina":
-        return popjax.WINA(ratio=0.4, aggregate=aggregate, kernel="xla").prepare(model)
-    if name == "principal-teal":
-        return popjax.PrincipalTEAL(ratio=0.4, rank=4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
-    cache = tmp_path_factory.mktemp("teal-calibration")
-    return popjax.TEAL(ratio=0.4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache_dir=cache)
-
-
 # (method, family, layout, aggregate): both FFN activations, the batch's shared mask and per-row
 # masks, and the scanned model, where the layer index the kernel reads at is traced
 CASES = [("teal", "llama", "unrolled", "max"), ("teal", "gemma3", "unrolled", "per_token"), ("teal", "llama", "scanned", "per_token"),
@@ -185,7 +172,7 @@ CASES = [("teal", "llama", "unrolled", "max"), ("teal", "gemma3", "unrolled", "p
 def test_pallas_equals_xla(request, tiny_model, tmp_path_factory, name, family, layout, aggregate):
     """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs, batch 2."""
     model = tiny_model if family == "llama" else request.getfixturevalue("gemma3")
-    check_method_kernel(model, _ready(name, model, aggregate, tmp_path_factory), layout)
+    check_method_kernel(model, ready(name, model, aggregate, tmp_path_factory.mktemp("calibration")), layout)
 
 
 def test_the_input_major_copies(tiny_model):
@@ -193,7 +180,7 @@ def test_the_input_major_copies(tiny_model):
     weights transposed (row i = input i's column), built once per model."""
     cfg = tiny_model.config
     L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    teal = popjax.TEAL(ratio=0.4, kernel="pallas", thresholds=_placeholder(cfg, 0.4))
+    teal = placeholder_thresholds(cfg, popjax.TEAL(ratio=0.4, kernel="pallas"))
     rows = teal.data(tiny_model)["rows"]
     assert rows["gate_up"].values.shape == (L, d, channel_lines(2 * f), 128)
     assert rows["down"].values.shape == (L, f, channel_lines(d), 128)
@@ -211,16 +198,11 @@ def test_the_input_major_copies(tiny_model):
     np.testing.assert_array_equal(int8["down"].scale[0, 0, :d], down_scale[0, :, 0])
 
 
-def _placeholder(cfg, ratio: float) -> Thresholds:
-    s = popjax.TEAL(ratio=ratio).sparsity(cfg)
-    return Thresholds((("x", s), ("h", s)), (("x", (0.5,) * cfg.num_hidden_layers), ("h", (0.1,) * cfg.num_hidden_layers)))
-
-
 def test_kernel_choice(tiny_model):
     """"auto" is XLA on this CPU and the platform's kernel where programs compile for a TPU or a
     GPU (`kernels.compiling_for`); a mixture-of-experts model keeps XLA and refuses "pallas"."""
     cfg = tiny_model.config
-    teal = popjax.TEAL(ratio=0.4, thresholds=_placeholder(cfg, 0.4))
+    teal = placeholder_thresholds(cfg, popjax.TEAL(ratio=0.4))
     assert teal.kernel == "auto" and teal.bind(cfg).kernel == "xla"
     with kernels.compiling_for("tpu"):
         assert teal.bind(cfg).kernel == "pallas-tpu"
