@@ -5,7 +5,8 @@ what a method's plan calls, so that the plan names no platform.
 Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`). `gather_matvec` reads
 single rows (channel POP's selected candidates), `block_matvec` whole blocks of consecutive rows
 (block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's), `gated_ffn` the up
-and down rows of the channels a mask keeps, given their gate values (CATS's).
+and down rows of the channels a mask keeps, given their gate values (CATS's), `gather_row_dots`
+single output rows (gate-scored and shortlisted POP's up rows of the candidates they score).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -21,11 +22,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import RESOLVED, TPU_KERNELS, ffn_gpu, ffn_tpu, matvec_tpu
-from .ffn_layout import MAX_BATCH, ChannelRows, InputRows, check_block, counted_blocks
+from .ffn_layout import MAX_BATCH, ChannelRows, InputRows, OutputRows, check_block
+from .selection import counted_blocks
 
 
 def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
-    """y [B, n] = W · x over x's inputs ``ids`` ([m] or [B, m]; `ffn_layout`'s selection
+    """y [B, n] = W · x over x's inputs ``ids`` ([m] or [B, m]; `selection`'s
     contract) with W as `ffn_layout.InputRows` [k, L, 128], x [B, k], by the Pallas ``kernel``
     (one of `RESOLVED` but "xla"); ValueError naming any other value."""
     if kernel == "pallas-gpu":
@@ -33,6 +35,18 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     elif kernel in TPU_KERNELS:
         interpret = kernel == "pallas-interpret"
         call = lambda x, rows, ids: matvec_tpu.gather_matvec(x, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
+    else:
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(call)(x, rows, ids)
+
+
+def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, kernel: str) -> jax.Array:
+    """u [B, m] f32 = x · W[ids]ᵀ for x [B, d] and W as `ffn_layout.OutputRows` [n, L, 128],
+    ids [m] (`selection`'s contract), by the Pallas ``kernel``: only the m rows are read."""
+    if kernel == "pallas-gpu":
+        call = lambda x, rows, ids: ffn_gpu.gather_row_dots(x, rows, ids)  # noqa: E731
+    elif kernel in TPU_KERNELS:
+        call = lambda x, rows, ids: matvec_tpu.gather_row_dots(x, rows, ids, interpret=kernel == "pallas-interpret")  # noqa: E731
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(call)(x, rows, ids)
@@ -105,29 +119,32 @@ def _in_row_chunks(call):
     return chunked
 
 
-def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: int, out_features: int, kernel: str) -> jax.Array:
+def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: int, out_features: int, layer=None,
+                 kernel: str) -> jax.Array:
     """y [B, n] = W · x over x's inputs in the blocks ``block_ids`` [nb] of ``block`` consecutive
-    rows (`matvec_tpu.block_matvec`'s contract) by the Pallas ``kernel``: on TPU the BlockSpec
-    pipeline fetches each block whole; on a GPU the Triton matvec reads the blocks' rows (each
-    block contiguous) through their positions, a block the contract does not count (out of
-    range, a repeat of the previous one) given positions out of range, which add nothing."""
+    rows (`matvec_tpu.block_matvec`'s contract; ``rows`` one matrix, or a stack of layers read
+    at ``layer``) by the Pallas ``kernel``: on TPU the BlockSpec pipeline fetches each block
+    whole; on a GPU the Triton matvec reads the blocks' rows (each block contiguous) through
+    their positions, a block the contract does not count (out of range, a repeat of the previous
+    one) given positions out of range, which add nothing."""
     if kernel == "pallas-gpu":
-        def call(x, rows, block_ids):
-            positions = block_positions(block_ids, block, rows.values.shape[0])
-            return ffn_gpu.gather_matvec(x, rows, positions, out_features=out_features)
+        def call(x, rows, block_ids, layer):
+            positions = block_positions(block_ids, block, rows.values.shape[-3])
+            return ffn_gpu.gather_matvec(x, rows, positions, out_features=out_features, layer=layer)
     elif kernel in TPU_KERNELS:
-        interpret = kernel == "pallas-interpret"
-        call = lambda x, rows, ids: matvec_tpu.block_matvec(x, rows, ids, block=block, out_features=out_features, interpret=interpret)  # noqa: E731
+        def call(x, rows, ids, layer):
+            return matvec_tpu.block_matvec(x, rows, ids, block=block, out_features=out_features, layer=layer,
+                                           interpret=kernel == "pallas-interpret")
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(call)(x, rows, block_ids)
+    return per_device(call)(x, rows, block_ids, None if layer is None else jnp.asarray(layer, jnp.int32))
 
 
 def block_positions(block_ids: jax.Array, block: int, rows: int) -> jax.Array:
     """The input rows [nb·b] of the blocks ``block_ids`` [nb] under `block_matvec`'s contract, as
     single-row ids for `gather_matvec`, which drops an id out of [0, rows): a counted block j's
     rows j·b … j·b + b − 1, and ids below 0 for a block the contract does not count (out of
-    range, or a repeat of the previous id: `ffn_layout.counted_blocks`)."""
+    range, or a repeat of the previous id: `selection.counted_blocks`)."""
     check_block(block, rows)
     raw, counted = counted_blocks(block_ids, rows // block)
     first = jnp.where(counted, raw * block, -rows - block)  # a block not counted: ids below 0

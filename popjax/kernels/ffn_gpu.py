@@ -31,16 +31,17 @@ from .ffn_layout import (
     BlockSlab,
     ChannelRows,
     InputRows,
+    OutputRows,
     activation,
     check_channel_rows,
     check_gate,
     check_input_rows,
+    check_output_rows,
     check_slab,
     masked_selection,
-    select_blocks,
-    select_channels,
     stack_view,
 )
+from .selection import select_blocks, select_channels
 
 CHUNK = 32  # positions per gate/up program (the K of the down dot: Triton wants >= 16)
 D_TILE = 128  # columns per load and per down program
@@ -137,15 +138,7 @@ def rows_ffn(
     d_tiles = -(-d // D_TILE)
     splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    extra = [jnp.pad(gate_up_scale, ((0, 0), (0, pad)))] if int8 else []
-    h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, act=act_fn, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, int8=int8, gated=gated),
-        grid=(chunks,),
-        out_shape=jax.ShapeDtypeStruct((batch, chunks * CHUNK), jnp.float32),
-        compiler_params=params,
-        interpret=interpret,
-        name="gate_up_rows",
-    )(x, weights, row_ids[0], row_ids[1], keep, mask, *extra)
+    h = _gate_up_rows(x, weights, row_ids[0], row_ids[1], keep, mask, gate_up_scale, act=act_fn, gated=gated, interpret=interpret)
     parts = pl.pallas_call(
         functools.partial(
             _down_kernel, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=x.dtype
@@ -160,6 +153,41 @@ def rows_ffn(
     if int8:
         y = y * down_scale[:, :d]
     return y.astype(x.dtype)
+
+
+def _gate_up_rows(x, weights, gate_ids, up_ids, keep, mask, scale, *, act, gated, interpret):
+    """`rows_ffn`'s first kernel: h [B, U] (f32) over positions padded to the chunk: ids, keep
+    [U] and mask [B, U] padded already; scale [2 or 1, U'] (int8) or None, padded here."""
+    batch, d = x.shape
+    chunks = keep.shape[0] // CHUNK
+    extra = [jnp.pad(scale, ((0, 0), (0, chunks * CHUNK - scale.shape[1])))] if scale is not None else []
+    return pl.pallas_call(
+        functools.partial(_gate_up_kernel, act=act, batch=batch, d=d, chunk=CHUNK, d_tile=D_TILE, int8=scale is not None, gated=gated),
+        grid=(chunks,),
+        out_shape=jax.ShapeDtypeStruct((batch, chunks * CHUNK), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="gate_up_rows",
+    )(x, weights, gate_ids, up_ids, keep, mask, *extra)
+
+
+def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, count: int | jax.Array | None = None,
+                    interpret: bool = False) -> jax.Array:
+    """`matvec_tpu.gather_row_dots` on a GPU: u [B, m] f32 = x · W[ids]ᵀ, W as `OutputRows`
+    [n, L, 128]: the gate/up kernel of `rows_ffn` given unit gate values, loading only the
+    selected rows' first d columns (int8: times the rows' scales)."""
+    n = check_output_rows(rows, x)
+    if ids.ndim != 1:
+        raise ValueError(f"ids of shape {tuple(ids.shape)}: expected [m], one list for every row")
+    sel = select_channels(ids, n, x.shape[0], count)
+    m = ids.shape[0]
+    pad = -(-m // CHUNK) * CHUNK - m
+    fetch, keep = jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
+    mask = jnp.broadcast_to(keep.astype(jnp.float32)[None], (x.shape[0], keep.shape[0]))
+    scale = None if rows.scale is None else rows.scale[sel.ids][None]
+    flat = rows.values.reshape(n, -1)
+    u = _gate_up_rows(x, flat, fetch, fetch, keep, mask, scale, act=None, gated=True, interpret=interpret)
+    return u[:, :m]
 
 
 def block_ffn(
@@ -229,17 +257,27 @@ def gather_matvec(
     *,
     out_features: int,
     count: int | jax.Array | None = None,
+    layer: int | jax.Array | None = None,
     interpret: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
     """`matvec_tpu.gather_matvec` on a GPU: y [B, n] = W · x over x's inputs ``ids`` ([m] or
-    [B, m], + count), W as `InputRows` [k, L, 128]. The down kernel of `rows_ffn` with x's
-    values at the positions in place of h."""
-    k, lines = check_input_rows(rows, x, out_features)
+    [B, m], + count), W as `InputRows` [k, L, 128], or a stack of layers [S, k, L, 128] read at
+    ``layer`` (the loads offset into it). The down kernel of `rows_ffn` with x's values at the
+    positions in place of h."""
+    stacked = rows.values.ndim == 4
+    if stacked != (layer is not None):
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
+    k, lines = check_input_rows(InputRows(jax.ShapeDtypeStruct(rows.values.shape[-3:], rows.values.dtype)), x, out_features)
     sel = select_channels(ids, k, x.shape[0], count)
     mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
     xs = x[:, sel.ids].astype(jnp.float32) * mask.T  # [B, U]
-    return _rows_matvec(xs, rows.values.reshape(k, lines * 128), sel.ids, sel.keep, rows.scale,
+    fetch, scale = sel.ids, rows.scale
+    if stacked:
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, rows.values.shape[0] - 1)
+        fetch = fetch + layer * k
+        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
+    return _rows_matvec(xs, rows.values.reshape(-1, lines * 128), fetch, sel.keep, scale,
                         out_features=out_features, dtype=x.dtype, interpret=interpret, splits=splits)
 
 

@@ -1,5 +1,6 @@
-"""What the decode-FFN kernels share: their weight layouts, how a selection becomes the ids a
-kernel reads, the activations, the checks on their inputs, and the bytes each one moves.
+"""What the decode-FFN kernels share: their weight layouts, the activations and the checks on
+their inputs (how a selection becomes the ids a kernel reads: `selection`; the bytes each one
+moves: `traffic`).
 
 The FFN is y = down · (act(gate · x) ⊙ up · x) for x [B, d], gate/up [f, d] (popjax keeps them
 stacked as ``gate_up [2, f, d]``) and down [d, f]. A kernel reads only the selected channels,
@@ -21,9 +22,8 @@ int8 weights (popjax/kernels/int8.py's format) are int8 values with fp32 per-out
 
 A selection is ``ids [n]`` with ``count``: ids[:count] are selected, ids[count:] are padding
 (ignored whatever their value); a selected id equal to its selected predecessor counts once (so
-a sorted list with repeats is a set); an id outside the range contributes nothing. `select`
-turns that into what a kernel reads: fetch ids (clamped into range, padding repeating the last
-selected id so a pipeline does not fetch again) and a keep flag per position.
+a sorted list with repeats is a set); an id outside the range contributes nothing
+(`selection.Selection`: fetch ids and a keep flag per position).
 """
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ class InputRows(NamedTuple):
     scale: jax.Array | None = None
 
 
-class Selection(NamedTuple):
-    """What a kernel reads: fetch ids [n] int32 (in range), keep [n] int32 (1 = add this
-    position), and mask [n, B] fp32 (keep × the row's own choice) or None (every row)."""
+class OutputRows(NamedTuple):
+    """Output-major weights, for a step that needs single outputs of W [n, d] · x (shortlisted
+    POP's up projection of its shortlist): values [n, L, 128], row j = W's row j (L =
+    `channel_lines(d)`, zero past d); scale [n] fp32 (int8: row j's scale) or None."""
 
-    ids: jax.Array
-    keep: jax.Array
-    mask: jax.Array | None
+    values: jax.Array
+    scale: jax.Array | None = None
 
 
 def _check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
@@ -203,6 +203,16 @@ def stacked_input_layout(w: jax.Array, scale: jax.Array | None = None) -> InputR
     return jax.vmap(input_layout)(w) if scale is None else jax.vmap(input_layout)(w, scale)
 
 
+def output_layout(w, scale: jax.Array | None = None) -> OutputRows:
+    """W [n, d] (+ int8 scale [n, 1]) -> `OutputRows` [n, L, 128]: W's rows in 128-lane lines."""
+    if w.ndim != 2:
+        raise ValueError(f"W of shape {tuple(w.shape)} is not a matrix [n, d]")
+    if (jnp.dtype(w.dtype) == jnp.int8) != (scale is not None) or (scale is not None and tuple(scale.shape) != (w.shape[0], 1)):
+        given = None if scale is None else tuple(scale.shape)
+        raise ValueError(f"W of dtype {w.dtype} with scale {given}: int8 W needs scale [{w.shape[0]}, 1], float W none")
+    return OutputRows(in_lines(w), None if scale is None else scale[:, 0].astype(jnp.float32))
+
+
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     """The gate activation by its config name, in the operations both Mosaic and Triton lower
     (tanh-GELU written out: ``jax.nn.gelu``'s power op is not one of them everywhere)."""
@@ -265,6 +275,17 @@ def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tupl
     return k, lines
 
 
+def check_output_rows(rows: "OutputRows", x: jax.Array) -> int:
+    """A row-dot's inputs: rows values [n, L, 128] (L = `channel_lines` of x's d) and x [B, d] -> n."""
+    shape, d = tuple(rows.values.shape), x.shape[-1]
+    if len(shape) != 3 or shape[1:] != (channel_lines(d), 128):
+        raise ValueError(f"rows of shape {shape} do not fit x's d={d}; expected [n, {channel_lines(d)}, 128] (ffn_layout.output_layout)")
+    if rows.scale is not None and tuple(rows.scale.shape) != shape[:1]:
+        raise ValueError(f"scale of shape {tuple(rows.scale.shape)} does not fit rows {shape}; expected [{shape[0]}]")
+    check_x(x, d)
+    return shape[0]
+
+
 class MaskedInputs(NamedTuple):
     """What an input-masked matvec reads: values [S·k, L, 128] (every layer's rows: a reshape),
     this layer's scale [1, L·128] or None, ids [k] (this layer's rows, in input order), keep [k]
@@ -309,14 +330,6 @@ def check_block(block: int, rows: int) -> None:
         raise ValueError(f"block={block!r} does not divide the {rows} input rows; use a positive divisor of {rows}")
 
 
-def counted_blocks(block_ids: jax.Array, n_blocks: int) -> tuple[jax.Array, jax.Array]:
-    """The block contract's selection: block_ids [nb] -> (ids as int32, counted [nb] bool): an id
-    in [0, n_blocks) counts unless it repeats the previous id (a repeat counts once)."""
-    raw = block_ids.astype(jnp.int32)
-    repeat = jnp.concatenate([jnp.zeros((1,), bool), raw[1:] == raw[:-1]])
-    return raw, (raw >= 0) & (raw < n_blocks) & ~repeat
-
-
 def check_x(x: jax.Array, d: int) -> None:
     """x must be [B, d] with 1 <= B <= MAX_BATCH, float32 or bfloat16."""
     if x.ndim != 2 or x.shape[1] != d:
@@ -325,62 +338,3 @@ def check_x(x: jax.Array, d: int) -> None:
         raise ValueError(f"batch {x.shape[0]} is outside the kernels' range; use 1 to {MAX_BATCH} rows")
     if jnp.dtype(x.dtype).name not in X_DTYPES:
         raise ValueError(f"x of dtype {x.dtype} is not supported; use one of {list(X_DTYPES)}")
-
-
-def _selected(ids: jax.Array, count, size: int) -> tuple[jax.Array, jax.Array]:
-    """ids [n] -> (fetch ids [n], keep [n] int32) under the contract in the module docstring."""
-    n = ids.shape[0]
-    ids = ids.astype(jnp.int32)
-    count = jnp.asarray(n if count is None else count, jnp.int32)
-    valid = jnp.arange(n) < count
-    ok = valid & (ids >= 0) & (ids < size)
-    repeat = jnp.concatenate([jnp.zeros(1, bool), ok[1:] & ok[:-1] & (ids[1:] == ids[:-1])])
-    keep = ok & ~repeat
-    clamped = jnp.clip(ids, 0, size - 1)
-    last = clamped[jnp.clip(count - 1, 0, n - 1)]
-    return jnp.where(valid, clamped, last), keep.astype(jnp.int32)
-
-
-def select_blocks(
-    block_ids: jax.Array, n_blocks: int, batch: int, count: int | jax.Array | None = None, row_mask: jax.Array | None = None
-) -> Selection:
-    """block_ids [n] (+ count, + row_mask [B, n_blocks] bool: the blocks each row chose) ->
-    `Selection`. With a row mask, a row adds only its own blocks of the union ``block_ids``."""
-    if block_ids.ndim != 1 or block_ids.shape[0] < 1:
-        raise ValueError(f"block_ids of shape {tuple(block_ids.shape)} must be a non-empty vector [n]")
-    ids, keep = _selected(block_ids, count, n_blocks)
-    if row_mask is None:
-        return Selection(ids, keep, None)
-    if tuple(row_mask.shape) != (batch, n_blocks):
-        raise ValueError(f"row_mask of shape {tuple(row_mask.shape)} does not fit; expected [B, n_blocks] = [{batch}, {n_blocks}]")
-    mask = row_mask.astype(jnp.float32)[:, ids].T * keep[:, None]
-    return Selection(ids, keep, mask)
-
-
-def union_of_rows(row_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """row_mask [B, n] bool -> (ids [size] int32 sorted, count): the ids any row chose. ``size``
-    must be at least the union's size (min(n, B · per-row count) always is)."""
-    chosen = jnp.any(row_mask, axis=0)
-    (ids,) = jnp.nonzero(chosen, size=size, fill_value=0)
-    return ids.astype(jnp.int32), jnp.sum(chosen).astype(jnp.int32)
-
-
-def select_channels(ids: jax.Array, f: int, batch: int, count: int | jax.Array | None = None) -> Selection:
-    """Channel ids [m] (every row) or [B, m] (row r's own, counted by count [B] or a scalar) ->
-    `Selection`. Per-row ids are served as their union with a per-row mask, so a channel two
-    rows chose is read once."""
-    if ids.ndim == 1:
-        if ids.shape[0] < 1:
-            raise ValueError("ids must hold at least one position")
-        fetch, keep = _selected(ids, count, f)
-        return Selection(fetch, keep, None)
-    if ids.ndim != 2 or ids.shape[0] != batch:
-        raise ValueError(f"ids of shape {tuple(ids.shape)} do not fit; expected [m] or [B, m] with B = {batch}")
-    m = ids.shape[1]
-    counts = jnp.broadcast_to(jnp.asarray(m if count is None else count, jnp.int32), (batch,))
-    ok = (jnp.arange(m)[None] < counts[:, None]) & (ids >= 0) & (ids < f)
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
-    chose = jnp.zeros((batch, f), bool).at[rows, jnp.clip(ids, 0, f - 1)].max(ok)
-    union, n_union = union_of_rows(chose, min(f, batch * m))
-    fetch, keep = _selected(union, n_union, f)
-    return Selection(fetch, keep, chose.astype(jnp.float32)[:, fetch].T * keep[:, None])

@@ -12,7 +12,7 @@ only the selected channels, for x [B, d] (B 1–64), f32 accumulation, bf16/f32/
   (paged attention's double buffering).
 
 Both add a position's contribution only where its keep flag (and the row's mask) says so
-(`ffn_layout.Selection`). Each sets ``vmem_limit_bytes`` from its own VMEM estimate, refuses
+(`selection.Selection`). Each sets ``vmem_limit_bytes`` from its own VMEM estimate, refuses
 one over the chip's VMEM, and passes the compiler its own traffic as ``pl.CostEstimate`` (the
 TPU cost model otherwise counts whole operands as read). ``interpret=True`` (or a
 ``pltpu.InterpretParams``) runs them on CPU.
@@ -36,10 +36,9 @@ from .ffn_layout import (
     check_channel_rows,
     check_gate,
     check_slab,
-    select_blocks,
-    select_channels,
     stack_view,
 )
+from .selection import select_blocks, select_channels
 from .traffic import block_ffn_bytes, gather_ffn_bytes
 
 # Default scoped VMEM per kernel, measured: the limit libtpu 0.0.42 names when a kernel exceeds
@@ -173,9 +172,9 @@ def block_ffn(
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, d] = the FFN of x [B, d] over the blocks ``block_ids [n]`` (ids[:count] selected,
-    `ffn_layout` module docstring) of ``slab`` (`BlockSlab`, values [nb, 3, b, d]); with
+    `selection`'s docstring) of ``slab`` (`BlockSlab`, values [nb, 3, b, d]); with
     ``row_mask [B, nb]`` (bool) row r adds only the blocks it chose (block_ids then being the
-    union, `ffn_layout.union_of_rows`). ``act`` is "silu" or "gelu_pytorch_tanh"; ``chip``
+    union, `selection.union_of_rows`). ``act`` is "silu" or "gelu_pytorch_tanh"; ``chip``
     sizes the VMEM check; ``vmem_limit_bytes`` overrides the limit derived from it."""
     nb, b, d = check_slab(slab, x, act)
     batch = x.shape[0]

@@ -256,7 +256,7 @@ def _out_layout(a: jax.Array, axes: str, out: str, ndim: int) -> jax.Array:
     return jnp.reshape(a, [sizes.get(c, 1) for c in out_axes])
 
 
-def _row_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def row_quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x fp32 [..., k] -> (int8 [..., k], per-row scale [...]) with x ≈ q · scale."""
     amax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
@@ -274,10 +274,10 @@ def _int8_activation_dot(spec: str, x: jax.Array, w: Int8Weight, passes: int = 1
         raise ValueError(f"dot spec {spec!r}: int8 activations need x's last axis to be the one contracted axis")
     passes = passes if x.ndim >= 2 else 1  # (the passes stack along x's first axis)
     xf = x.astype(jnp.float32)
-    xq, x_scale = _row_quantize(xf)
+    xq, x_scale = row_quantize(xf)
     scales = [x_scale]
     if passes == 2:  # the second pass's rows follow the first's along x's first axis
-        rest, rest_scale = _row_quantize(xf - xq.astype(jnp.float32) * x_scale[..., None])
+        rest, rest_scale = row_quantize(xf - xq.astype(jnp.float32) * x_scale[..., None])
         xq, scales = jnp.concatenate([xq, rest], axis=0), [x_scale, rest_scale]
     elif x.ndim >= 2 and math.prod(x.shape[:-1]) == 1:  # one row: two, so XLA:CPU runs its integer GEMM, not a slow matrix-vector loop
         xq = jnp.concatenate([xq, jnp.zeros_like(xq)], axis=0)

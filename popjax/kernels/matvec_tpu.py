@@ -18,6 +18,10 @@ as the union of its rows' active inputs, a row adding only its own (its x there,
 blocks of b consecutive input rows, fetched by a BlockSpec whose index map reads the
 scalar-prefetched block ids, so the pipeline double-buffers one contiguous [b, L, 128] copy per
 block instead of b row DMAs.
+
+`gather_row_dots` is the other orientation: single outputs u_j = W[j] · x of the rows ``ids``
+of output-major weights (`ffn_layout.OutputRows`), fetched by the same row DMAs, for a step
+that needs them before choosing (shortlisted POP's up projection of its shortlist).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, channel_lines, check_block, check_input_rows, counted_blocks, masked_selection, select_channels
-from .traffic import block_matvec_bytes, gather_matvec_bytes
+from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, masked_selection
+from .selection import counted_blocks, select_channels
+from .traffic import block_matvec_bytes, gather_matvec_bytes, gather_row_dots_bytes
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
 
 
@@ -78,7 +84,7 @@ def gather_matvec(
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = W · x over the inputs ``ids`` of x [B, k] (W as `InputRows` [k, L, 128],
-    n = ``out_features``): ids [m] for every row (ids[:count] active, `ffn_layout`'s contract)
+    n = ``out_features``): ids [m] for every row (ids[:count] active, `selection`'s contract)
     or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing."""
     k, lines = check_input_rows(rows, x, out_features)
     sel = select_channels(ids, k, x.shape[0], count)
@@ -198,38 +204,49 @@ def block_matvec(
     *,
     block: int,
     out_features: int,
+    layer: int | jax.Array | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     chip: str = "v5e",
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = Σ_j x[:, block j's inputs] · W[block j]ᵀ over the blocks ``block_ids`` [nb]
     select (the same for every row; block j is inputs j·b … j·b + b − 1, W as `InputRows`
-    [k, L, 128] with k a multiple of ``block`` = b), under `ffn_layout`'s selection contract: an
-    id out of [0, k/b) adds nothing, a repeat of the previous id counts once. Each grid step's
-    [b, L, 128] block is fetched by a BlockSpec whose index map reads the scalar-prefetched ids
-    (block-granular POP: `popjax.methods.pop.blocks`), so the pipeline double-buffers whole
-    contiguous blocks instead of issuing a DMA per row, and does not fetch a repeat again."""
-    k, lines = check_input_rows(rows, x, out_features)
+    [k, L, 128] with k a multiple of ``block`` = b, or a stack of layers [S, k, L, 128] read at
+    ``layer``: the fetches offset into the stack, no layer copied out), under `selection`'s
+    contract: an id out of [0, k/b) adds nothing, a repeat of the previous id counts once. Each
+    grid step's [b, L, 128] block is fetched by a BlockSpec whose index map reads the
+    scalar-prefetched ids (block-granular POP and dynamic selection), so the pipeline
+    double-buffers whole contiguous blocks instead of issuing a DMA per row, and does not fetch a
+    repeat again."""
+    stacked = rows.values.ndim == 4
+    if stacked != (layer is not None):
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
+    k, lines = check_input_rows(InputRows(jax.ShapeDtypeStruct(rows.values.shape[-3:], rows.values.dtype)), x, out_features)
     check_block(block, k)
     if block_ids.ndim != 1 or block_ids.shape[0] < 1:
         raise ValueError(f"block_ids of shape {tuple(block_ids.shape)}: expected [nb] with nb >= 1 (one list for every row)")
     batch, width, steps = x.shape[0], lines * 128, block_ids.shape[0]
     raw, counted = counted_blocks(block_ids, k // block)
     ids = jnp.clip(raw, 0, k // block - 1)  # what the index map fetches: always a real block
+    values, scale, fetch = rows.values, rows.scale, ids
+    if stacked:  # the stack as one matrix of S·k rows (a bitcast), the layer's blocks by offset
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, values.shape[0] - 1)
+        values, fetch = values.reshape(-1, lines, 128), ids + layer * (k // block)
+        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     # each block's inputs [nb, B, b], taken as whole blocks: an element-wise gather of their
     # positions costs XLA:TPU ~350 KB per block (its cost model), a block-row take a few KB
     xs = x.reshape(batch, k // block, block)[:, ids].transpose(1, 0, 2) * counted[:, None, None].astype(x.dtype)
     est = block_matvec_vmem_bytes(batch, block, out_features, rows.values.dtype, x.dtype)
     limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_matvec (B={batch}, b={block}, n={out_features}, {rows.values.dtype})")
 
-    scaled = rows.scale is not None
+    scaled = scale is not None
     in_specs = [pl.BlockSpec((None, batch, block), lambda i, ids: (i, 0, 0))]
     args = [xs]
     if scaled:
         in_specs.append(pl.BlockSpec((1, width), lambda i, ids: (0, 0)))
-        args.append(rows.scale)
+        args.append(scale)
     in_specs.append(pl.BlockSpec((block, lines, 128), lambda i, ids: (ids[i], 0, 0)))
-    args.append(rows.values)
+    args.append(values)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(steps,),
@@ -246,5 +263,88 @@ def block_matvec(
         cost_estimate=pl.CostEstimate(flops=2 * batch * width * block * steps, transcendentals=0, bytes_accessed=traffic),
         interpret=interpret,
         name="block_matvec",
-    )(ids, *args)
+    )(fetch, *args)
     return y[:, :out_features]
+
+
+# Mosaic's scratch for converting int8 rows to x's dtype in `gather_row_dots` (bisected, libtpu
+# 0.0.42, v5e, chunk 128: the smallest limit that compiles exceeds the buffers by up to 534 KiB
+# for int8, of which MOSAIC_OWN_VMEM covers 256; bf16 needs none)
+_INT8_CONVERT_VMEM = 512 << 10
+
+
+def row_dots_vmem_bytes(batch: int, chunk: int, d: int, weight_dtype, x_dtype) -> int:
+    """VMEM of `gather_row_dots`: the two-slot row scratch, x twice (L·128 wide), two f32
+    output blocks [B, chunk] and, for int8 rows, Mosaic's conversion scratch."""
+    lines = channel_lines(d)
+    total = MOSAIC_OWN_VMEM + vmem_buffer_bytes((2, chunk, lines, 128), weight_dtype)
+    total += _INT8_CONVERT_VMEM if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    return total + 2 * vmem_buffer_bytes((batch, lines * 128), x_dtype) + 2 * vmem_buffer_bytes((batch, chunk), jnp.float32)
+
+
+def _row_dots_kernel(ids_ref, keep_ref, *refs, chunk, steps, scaled):
+    scale_ref = refs[0] if scaled else None  # every row's scale [n], in SMEM
+    x_ref, rows_hbm, o_ref, buf, sems = refs[1:] if scaled else refs
+    c = pl.program_id(0)
+    slot = fetch_rows(ids_ref, keep_ref, sems, chunk, steps, [(lambda i: rows_hbm.at[i], lambda s, r: buf.at[s, r])])
+    x = x_ref[...]
+    w = buf[slot].reshape(chunk, buf.shape[2] * buf.shape[3]).astype(x.dtype)
+    u = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if scaled:  # the chunk's scales as a [1, chunk] vector, one scalar read per row (no XLA gather)
+        lane = lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+
+        def put(r, vec):
+            return jnp.where(lane == r, scale_ref[ids_ref[c * chunk + r]], vec)
+
+        u = u * lax.fori_loop(0, chunk, put, jnp.zeros((1, chunk), jnp.float32))
+    o_ref[...] = u
+
+
+def gather_row_dots(
+    x: jax.Array,
+    rows: OutputRows,
+    ids: jax.Array,
+    *,
+    count: int | jax.Array | None = None,
+    chunk: int = 128,
+    interpret: bool | pltpu.InterpretParams = False,
+    chip: str = "v5e",
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """u [B, m] f32 = x · W[ids]ᵀ for x [B, d] and W as `OutputRows` [n, L, 128], ids [m]
+    (`selection`'s contract: a position not selected, out of range or repeating the previous
+    id gives 0), reading only the rows of the selected ids, one DMA each; int8 rows times their
+    scales (read from SMEM in the kernel). ``chunk`` rows per grid step (128: each step's output block fills the lanes)."""
+    n = check_output_rows(rows, x)
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be a positive number of rows per step")
+    if ids.ndim != 1:
+        raise ValueError(f"ids of shape {tuple(ids.shape)}: expected [m], one list for every row")
+    sel = select_channels(ids, n, x.shape[0], count)
+    m, batch, (lines, width) = ids.shape[0], x.shape[0], (rows.values.shape[1], rows.values.shape[1] * 128)
+    steps = -(-m // chunk)
+    pad = steps * chunk - m
+    est = row_dots_vmem_bytes(batch, chunk, x.shape[1], rows.values.dtype, x.dtype)
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_row_dots (B={batch}, chunk={chunk}, d={x.shape[1]}, {rows.values.dtype})")
+    fetch, keep = jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
+    scaled = rows.scale is not None
+    scalars = (fetch, keep, rows.scale) if scaled else (fetch, keep)
+    fixed = lambda i, *scalars: (0, 0)  # noqa: E731
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(steps,),
+        in_specs=[pl.BlockSpec((batch, width), fixed), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, batch, chunk), lambda i, *scalars: (i, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((2, chunk, lines, 128), rows.values.dtype), pltpu.SemaphoreType.DMA((2,))],
+    )
+    traffic = gather_row_dots_bytes(m, m, chunk, x.shape[1], batch, rows.values.dtype, x.dtype, n)
+    u = pl.pallas_call(
+        functools.partial(_row_dots_kernel, chunk=chunk, steps=steps, scaled=scaled),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((steps, batch, chunk), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
+        cost_estimate=pl.CostEstimate(flops=2 * batch * width * m, transcendentals=0, bytes_accessed=traffic),
+        interpret=interpret,
+        name="gather_row_dots",
+    )(*scalars, jnp.pad(x, ((0, 0), (0, width - x.shape[1]))), rows.values)
+    return u.transpose(1, 0, 2).reshape(batch, steps * chunk)[:, :m]

@@ -60,6 +60,17 @@ def gather_matvec_bytes(rows_read: int, positions: int, chunk: int, n: int, batc
     return rows_read * width * _size(weight_dtype) + other
 
 
+def gather_row_dots_bytes(rows_read: int, positions: int, chunk: int, d: int, batch: int, weight_dtype, x_dtype,
+                          n_rows: int = 0) -> int:
+    """HBM bytes of the TPU row-dot kernel: ``rows_read`` rows of L·128 (one DMA each), x once
+    (L·128 wide), the f32 outputs and the scalars over ``positions`` padded to the chunk, and
+    for int8 the scales of all ``n_rows`` rows (prefetched whole into SMEM)."""
+    width = channel_lines(d) * 128
+    padded = -(-positions // chunk) * chunk
+    scales = n_rows * 4 if jnp.dtype(weight_dtype) == jnp.int8 else 0
+    return rows_read * width * _size(weight_dtype) + batch * width * _size(x_dtype) + padded * (batch + 2) * 4 + scales
+
+
 def block_matvec_bytes(blocks_read: int, positions: int, block: int, n: int, batch: int, weight_dtype, x_dtype) -> int:
     """HBM bytes of the TPU block matvec: ``blocks_read`` blocks of b input rows of L·128 (a
     block repeated at the next position is not fetched again), x's values at the ``positions``

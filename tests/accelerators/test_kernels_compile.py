@@ -123,12 +123,17 @@ def test_mosaic_refuses_a_limit_below_the_estimate(v5e):
 
 
 # ------------------------------------------------------------------------- Triton for CUDA
-@pytest.mark.parametrize("kind", ["block-int8-masked", "gather-bf16-rows", "gated-int8-stack", "matvec-bf16"])
+@pytest.mark.parametrize("kind", ["block-int8-masked", "gather-bf16-rows", "gated-int8-stack", "matvec-bf16", "row-dots-int8"])
 def test_gpu_kernels_lower_to_triton_for_cuda(kind):
-    if kind.startswith("matvec"):
-        rows = ffn_layout.InputRows(S((1000, 16, 128), "bfloat16"))
-        fn = lambda x, r, i: ffn_gpu.gather_matvec(x, r, i, out_features=2000)  # noqa: E731
-        text = jax.jit(fn).trace(S((4, 1000), "bfloat16"), rows, S((300,), "int32")).lower(lowering_platforms=("cuda",)).as_text()
+    if kind.startswith(("matvec", "row-dots")):  # one Triton kernel each
+        if kind.startswith("matvec"):
+            rows = ffn_layout.InputRows(S((1000, 16, 128), "bfloat16"))
+            fn = lambda x, r, i: ffn_gpu.gather_matvec(x, r, i, out_features=2000)  # noqa: E731
+        else:  # shortlisted POP's up rows: int8 W [1000, 2000] with its per-row scales
+            rows = ffn_layout.OutputRows(S((1000, 16, 128), "int8"), S((1000,), "float32"))
+            fn = lambda x, r, i: ffn_gpu.gather_row_dots(x, r, i)  # noqa: E731
+        x = S((4, 1000 if kind.startswith("matvec") else 2000), "bfloat16")
+        text = jax.jit(fn).trace(x, rows, S((300,), "int32")).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
         return
     if kind.startswith("block"):
@@ -252,6 +257,41 @@ def test_block_matvec_compiles_at_the_8b_shapes(chip):
         assert compiled.memory_analysis().temp_size_in_bytes < b * d  # ids and x's values, no copy of the rows
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_row_dots_compile_at_the_8b_shapes(chip):
+    """Shortlisted POP's up read on Llama-3.1-8B (POP 40%, γ = 0.1: n_C = 1434 candidate rows of
+    d = 4096, a shortlist of s = 1075, σ = 0.75), bf16 and int8 (the rows' scales prefetched into
+    SMEM, no XLA gather of them): Mosaic compiles it at exactly its own VMEM estimate, within the
+    chip's VMEM, with its own traffic as the cost and no copy of the rows."""
+    pytest.importorskip("libtpu", reason="compile-only TPU checks need libtpu (the test extra)")
+    sharding = jax.sharding.SingleDeviceSharding(resolve_topology(f"{chip}:1x1").devices[0])
+    d, n_c, s = 4096, 1434, 1075
+    for w_dtype in ("bfloat16", "int8"):
+        est = matvec_tpu.row_dots_vmem_bytes(1, 128, d, w_dtype, "bfloat16")
+        assert est <= ffn_tpu.chip_vmem_bytes(chip)
+        rows = ffn_layout.OutputRows(S((n_c, d // 128, 128), w_dtype), S((n_c,), "float32") if w_dtype == "int8" else None)
+        fn = lambda x, r, i: matvec_tpu.gather_row_dots(x, r, i, chip=chip, vmem_limit_bytes=est)  # noqa: E731,B023
+        compiled = compile_on(sharding, fn, [S((1, d), "bfloat16"), rows, S((s,), "int32")])
+        own = traffic.gather_row_dots_bytes(s, s, 128, d, 1, w_dtype, "bfloat16", n_c)
+        assert own <= compiled.cost_analysis()["bytes accessed"] <= 1.03 * own < 0.8 * n_c * d * jnp.dtype(w_dtype).itemsize
+        assert compiled.memory_analysis().temp_size_in_bytes < 128 * d  # ids and outputs, no copy of the rows
+
+
+def test_row_dots_move_the_bytes_they_count():
+    """One DMA per kept row: ids with a repeat, one out of range and padding past count move nothing."""
+    rng = np.random.default_rng(4)
+    batch, n, chunk = 2, 40, 4
+    x, values = _simulated(rng, ((batch, 1000), "float32"), ((n, 8, 128), "int8"))
+    ids = jnp.asarray([3, 7, 7, 20, 45, 0, 39, 1, 1], jnp.int32)  # 6 kept of count 8; 9 positions
+    rows = ffn_layout.OutputRows(values, jnp.ones((n,), jnp.float32))
+    with hbm_traffic() as tally:
+        jax.block_until_ready(matvec_tpu.gather_row_dots(x, rows, ids, count=8, chunk=chunk, interpret=pltpu.InterpretParams()))
+    counted = traffic.gather_row_dots_bytes(6, 9, chunk, 1000, batch, "int8", "float32", n)
+    # the simulator keeps the scalar-prefetched ids, keep flags and scales in SMEM, and reads
+    # each output block in once
+    assert tally["read"] + tally["written"] == counted - 2 * 12 * 4 - n * 4 + 12 * batch * 4
+
+
 def test_block_matvec_moves_the_bytes_it_counts():
     """Block fetches by the BlockSpec pipeline: ids [3, 3, 0, 2]: 3 fetches, not 4."""
     rng = np.random.default_rng(3)
@@ -316,3 +356,11 @@ def test_bad_input_is_one_clear_line():
           block=64, out_features=131072, match="over v5e's 128 MiB")
     with pytest.raises(ValueError, match=r"int8 W needs scale \[10, 1\]"):
         ffn_layout.input_layout(jnp.zeros((10, 4), jnp.int8))
+    with pytest.raises(ValueError, match=r"int8 W needs scale \[10, 1\]"):
+        ffn_layout.output_layout(jnp.zeros((10, 4), jnp.int8))
+    outputs = ffn_layout.OutputRows(S((64, 8, 128), "bfloat16"))
+    _fail(matvec_tpu.gather_row_dots, S((2, 2000), "bfloat16"), outputs, S((4,), "int32"),
+          match=r"rows of shape \(64, 8, 128\) do not fit x's d=2000; expected \[n, 16, 128\] \(ffn_layout.output_layout\)")
+    _fail(ffn_gpu.gather_row_dots, S((2, 1000), "bfloat16"), outputs, S((2, 4), "int32"), match=r"ids of shape \(2, 4\): expected \[m\]")
+    _fail(matvec_tpu.gather_row_dots, S((2, 1000), "bfloat16"), ffn_layout.OutputRows(outputs.values, S((63,), "float32")),
+          S((4,), "int32"), match=r"scale of shape \(63,\) does not fit rows \(64, 8, 128\); expected \[64\]")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu
+from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, selection
 from popjax.kernels.int8 import quantize
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
@@ -30,7 +30,7 @@ def _act(g: np.ndarray, name: str) -> np.ndarray:
 
 
 def selected(ids, count, n) -> list[int]:
-    """The selection contract (ffn_layout's docstring), written as loops: ids[:count], an id
+    """The selection contract (popjax.kernels.selection's docstring), written as loops: ids[:count], an id
     out of [0, n) dropped, a repeat of the previous kept-range id counted once."""
     out, prev = [], None
     for i, v in enumerate(ids):
@@ -124,7 +124,7 @@ def test_union_of_rows_gives_each_rows_own_blocks():
     chose = np.zeros((batch, nb), bool)
     for r, picks in enumerate([[0, 5], [5, 7], [1], [2, 3, 11]]):
         chose[r, picks] = True
-    ids, count = ffn_layout.union_of_rows(jnp.asarray(chose), size=8)
+    ids, count = selection.union_of_rows(jnp.asarray(chose), size=8)
     assert int(count) == 7 and list(np.asarray(ids)[:7]) == [0, 1, 2, 3, 5, 7, 11]
     x, x64 = inputs(batch, "float32")
     y = ffn_tpu.block_ffn(
@@ -283,6 +283,16 @@ def test_layouts_hold_the_ffn_weights():
 
 
 # ------------------------------------------------------------------------- block-granular input gathers
+def laid_out(w: np.ndarray, w_dtype: str, layout):
+    """W [n, k] in ``w_dtype`` (int8: `quantize`'s values and scales) through ``layout``
+    (`ffn_layout.input_layout` or `output_layout`) -> (the kernel's rows, W as the kernel sees
+    it in float64)."""
+    if w_dtype == "int8":
+        q, s = quantize(w)
+        return layout(jnp.asarray(q), jnp.asarray(s)), q * s.astype(np.float64)
+    return layout(jnp.asarray(w, w_dtype)), np.asarray(jnp.asarray(w, w_dtype), np.float64)
+
+
 BLOCK_MATVECS = {  # the TPU kernel; on a GPU, decode_ffn's single-row ids for the Triton matvec
     "tpu": lambda x, rows, ids, b, n: matvec_tpu.block_matvec(x, rows, ids, block=b, out_features=n, interpret=True),
     "gpu": lambda x, rows, ids, b, n: ffn_gpu.gather_matvec(x, rows, decode_ffn.block_positions(ids, b, rows.values.shape[0]),
@@ -301,11 +311,7 @@ def test_block_matvec_matches_numpy(platform, w_dtype, x_dtype, batch):
     rng = np.random.default_rng(11)
     k, n, b = F, D, 8
     w = rng.standard_normal((n, k)).astype(np.float32) / 8  # W [n, k]: down's shape, [d, f]
-    if w_dtype == "int8":
-        q, s = quantize(w)
-        rows, w64 = ffn_layout.input_layout(jnp.asarray(q), jnp.asarray(s)), q * s.astype(np.float64)
-    else:
-        rows, w64 = ffn_layout.input_layout(jnp.asarray(w, w_dtype)), np.asarray(jnp.asarray(w, w_dtype), np.float64)
+    rows, w64 = laid_out(w, w_dtype, ffn_layout.input_layout)
     x, x64 = inputs(batch, x_dtype, seed=12)
     x, x64 = x[:, :k], x64[:, :k]
     ids = [5, 2, 2, 12, -1, 7, 5]
@@ -316,3 +322,27 @@ def test_block_matvec_matches_numpy(platform, w_dtype, x_dtype, batch):
             want += x64[:, j * b : (j + 1) * b] @ w64[:, j * b : (j + 1) * b].T
         prev = j
     check(y, want, x_dtype)
+
+
+@pytest.mark.parametrize("platform, w_dtype, x_dtype, batch", [("tpu", "float32", "float32", 1), ("tpu", "int8", "bfloat16", 3),
+                                                               ("gpu", "int8", "float32", 2)])
+def test_row_dots_match_numpy(platform, w_dtype, x_dtype, batch):
+    """`gather_row_dots` (shortlisted POP's up rows: single outputs u_j = W[j] · x) against loops:
+    W [96, 200] (rows padded to 256 lanes), 37 ids (not a multiple of the TPU chunk of 16) with a
+    repeat (its second position 0), one past the end and one below 0 (0), count 35 (the last two: 0)."""
+    rng = np.random.default_rng(13)
+    rows, w64 = laid_out(rng.standard_normal((F, D)).astype(np.float32) / 8, w_dtype, ffn_layout.output_layout)
+    x, x64 = inputs(batch, x_dtype, seed=14)
+    ids = [int(i) for i in rng.integers(0, F, 37)]
+    ids[4], ids[9], ids[20] = ids[3], F, -1
+    count = 35
+    if platform == "tpu":
+        u = matvec_tpu.gather_row_dots(x, rows, jnp.asarray(ids, jnp.int32), count=count, chunk=16, interpret=True)
+    else:
+        u = ffn_gpu.gather_row_dots(x, rows, jnp.asarray(ids, jnp.int32), count=count, interpret=True)
+    want = np.zeros((batch, len(ids)))
+    for p, j in enumerate(ids):
+        repeat = p > 0 and j == ids[p - 1] and 0 <= j < F
+        if p < count and 0 <= j < F and not repeat:
+            want[:, p] = x64 @ w64[j]
+    check(u, want, x_dtype)
