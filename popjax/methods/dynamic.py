@@ -8,6 +8,12 @@ A step needs H on all f channels (its scores), so gate and up are read whole; on
 follows the selection. With a Pallas ``kernel`` (TPU, GPU; ``"auto"`` there) it reads just the
 n_keep selected channels' rows of the model's input-major down copy
 (`popjax.methods.input_rows.kernel_down`), where XLA gathers W_d's columns every step.
+
+``block=b`` (b > 1) selects whole blocks of b consecutive channels (channels j·b … j·b + b − 1
+of the model's order): n_keep rounded to whole blocks, the top n_keep/b blocks by the L2 norm
+of their channels' scores, so a kernel reads b contiguous rows of the down copy per choice
+(`kernels.decode_ffn.block_matvec`, one BlockSpec fetch per block on TPU). The prompt's own
+output stays channel-granular (prefill is dense).
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..models.config import ModelConfig
-from .base import (gate_activation, AggregatedPlan, DensePlan, Plan, RatioMethod, activations, check_choice, down_proj, kept_channels,
-                   score_prompt, step_importance, take_channels)
-from .input_rows import input_rows_data, kernel_down, kernel_weights_read, resolve_kernel
+from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_choice, down_proj,
+                   kept_channels, round_half_up, score_prompt, step_importance, take_channels)
+from .input_rows import input_rows_data, kernel_down, kernel_down_blocks, kernel_weights_read, resolve_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,7 @@ class DynamicPlan(AggregatedPlan):
     # what reads the selected channels' down rows (`popjax.kernels.RESOLVED`, resolved at bind):
     # "xla" (a gather of W_d's columns) or a Pallas kernel on the down copy in ``w.data["rows"]``
     kernel: str = "xla"
+    block: int = 1  # channels selected in whole blocks of this many consecutive channels (n_keep a multiple)
 
     def __post_init__(self):
         check_choice("kernel", self.kernel, kernels.RESOLVED)
@@ -44,7 +51,14 @@ class DynamicPlan(AggregatedPlan):
     def _decode(self, w, state, x, step, valid):
         h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w.down_norm)  # [f]
-        _, selected = jax.lax.top_k(scores, self.n_keep)
+        if self.block > 1:  # whole blocks: the top n_keep/b by the L2 norm of their channels' scores
+            blocks = jax.lax.top_k(jnp.sqrt(jnp.sum(jnp.square(scores.reshape(-1, self.block)), axis=-1)), self.n_keep // self.block)[1]
+            if self.kernel != "xla":
+                y = kernel_down_blocks(w, h, blocks, block=self.block, d=x.shape[-1], kernel=self.kernel)
+                return y, state, {"scores": scores}
+            selected = (blocks[:, None] * self.block + jnp.arange(self.block, dtype=blocks.dtype)).reshape(-1)
+        else:
+            _, selected = jax.lax.top_k(scores, self.n_keep)
         if self.kernel == "xla":
             y = down_proj(take_channels(h, selected, axis=-1), take_channels(w.down, selected, axis=1))
         else:
@@ -61,20 +75,32 @@ class DynamicPlan(AggregatedPlan):
         return 2 * d * self.f + kernel_weights_read(self.kernel, d, self.f, 0, self.n_keep)
 
 
+def block_keep(f: int, n_keep: int, block: int) -> int:
+    """n_keep in whole blocks of ``block`` channels (at least one); MethodError when ``block``
+    does not divide f."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or f % block:
+        raise MethodError(f"block={block!r} does not divide the FFN width f={f}; use a positive divisor of {f} (1: single channels)")
+    return min(f, max(1, round_half_up(n_keep / block)) * block)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dynamic(RatioMethod):
     """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling of
     POP at a much higher cost). ``Dynamic(ratio, aggregate="per_sequence" | "shared",
     kernel="auto" | "xla" | "pallas")``: ``kernel`` reads the selected down rows (the module
-    docstring); "auto" is the Pallas kernel on TPU and GPU, XLA on a CPU and a mixture of experts."""
+    docstring); "auto" is the Pallas kernel on TPU and GPU, XLA on a CPU and a mixture of experts.
+    ``block=b``: channels selected in whole blocks of b (the module docstring; b divides f)."""
 
     name: ClassVar[str] = "dynamic"
     plan_class: ClassVar[type] = DynamicPlan
     kernel: str = dataclasses.field(default="auto", kw_only=True)
+    block: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("kernel", self.kernel, kernels.KERNELS)
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise MethodError(f"block={self.block!r} is invalid; use a positive integer (1: single channels)")
 
     def resolved_kernel(self, cfg: ModelConfig) -> str:
         """What the decode step runs (`input_rows.resolve_kernel`)."""
@@ -84,7 +110,8 @@ class Dynamic(RatioMethod):
         f, n_keep = cfg.intermediate_size, kept_channels(cfg, self.ratio)
         if n_keep == f:
             return DensePlan(f=f, n_keep=f)
-        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg))
+        n_keep = block_keep(f, n_keep, self.block)
+        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg), block=self.block)
 
     def data(self, model) -> dict | None:
         """With a Pallas kernel ``{"rows": {"down": InputRows}}``: W_d as an input-major copy

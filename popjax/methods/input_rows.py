@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import kernels
-from ..kernels.decode_ffn import gated_ffn, masked_matvec
+from ..kernels.decode_ffn import block_matvec, gated_ffn, masked_matvec
 from ..kernels.ffn_layout import ChannelRows, InputRows, channel_lines, stacked_input_layout, stacked_up_down_layout
 from ..loaded import uniform_ffn
 from ..models.config import ModelConfig
@@ -130,6 +130,13 @@ def kernel_down(w, h: jax.Array, keep_h: jax.Array, *, d: int, expected_active: 
     layer's input-major down copy."""
     return masked_matvec(h[:, 0], w.data["rows"]["down"], _mask(keep_h, h), out_features=d, layer=w.layer,
                          expected_active=expected_active, kernel=kernel)[:, None]
+
+
+def kernel_down_blocks(w, h: jax.Array, blocks: jax.Array, *, block: int, d: int, kernel: str) -> jax.Array:
+    """y = W_d · H over the channels of whole ``blocks`` [nb] of ``block`` consecutive channels:
+    h [B, 1, f] -> [B, 1, d], each block's rows of the layer's input-major down copy fetched as
+    one contiguous piece (`kernels.decode_ffn.block_matvec`)."""
+    return block_matvec(h[:, 0], w.data["rows"]["down"], blocks, block=block, out_features=d, layer=w.layer, kernel=kernel)[:, None]
 
 
 def kernel_weights_read(kernel: str, d: int, f: int, inputs: float, channels: float) -> int:

@@ -11,8 +11,12 @@ few coordinates, keeps exactly the top k of each token there, and rotates back:
     H      = act(x̂ W_g) ⊙ x̂ W_u;  keep the top k_h of |H|                  (the down input)
 
 x̂ W = S(x') (Qᵀ W): a kernel reads k_x columns of the rotated gate/up weights (folded once),
-plus Q itself at run time — here the rotation is applied to x and the model's weights are kept
-(the same product), so no weight is copied.
+plus Q itself at run time. Through XLA (``kernel="xla"``, the default on a CPU) the rotation is
+applied to x and the model's weights are kept (the same product), so no weight is copied; with a
+Pallas kernel (TPU, GPU) the rotation is folded once per model into an input-major copy of
+W_gu Q, of which a step reads the k_x kept rows (`input_rows`: TEAL's kernel on that copy, and
+TEAL's down copy for the kept channels of H; int8 weights: the folded copy re-quantized per
+output channel, so its path is within int8 rounding of XLA's, not equal).
 
 Decisions (docs/methods.md §5.11 gives the reasons):
 
@@ -30,24 +34,32 @@ Decisions (docs/methods.md §5.11 gives the reasons):
 * **Prefill is dense**, decode is sparse (as TEAL and WINA here); **batches** as WINA's.
 
 The rotations reach the compiled steps as the method's data, ``{"larosa": {"rotation":
-[L, d, d]}}`` ([L · slots, d, d] on a MoE model: `models.moe.table_row`).
+[L, d, d]}}`` ([L · slots, d, d] on a MoE model: `models.moe.table_row`), with a Pallas kernel
+also ``"rows"``: the folded gate/up copy and TEAL's down copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from .. import kernels
 from ..calibration import Statistic, calibrate
+from ..kernels.ffn_layout import InputRows, stacked_input_layout
+from ..kernels.int8 import row_quantize
 from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
-from .base import DensePlan, block_rows, MethodError, Plan, activations, down_proj, gate_activation, resolve_corpus
+from .base import DensePlan, block_rows, MethodError, Plan, activations, check_choice, down_proj, gate_activation, resolve_corpus
 from .fitted import FittedArrays
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
+from .input_rows import input_rows_data, kernel_activations, kernel_down, kernel_weights_read, resolve_kernel
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)
 
@@ -90,20 +102,32 @@ class LaRoSaPlan(DensePrefillPlan):
     k_x: int = 0  # rotated entries kept per step (n_keep: down-input entries kept)
     aggregate: str = "per_token"
     blocks: int = 0  # block slots per layer of a MoE model, 0: dense
+    # "xla" (the rotation applied to x, masks before dense matmuls) or a Pallas kernel on the folded
+    # W_gu Q copy and TEAL's down copy in ``w.data["rows"]`` (`input_rows`)
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        check_choice("kernel", self.kernel, kernels.RESOLVED)
 
     def decode(self, w, state, x, step, valid):
         """x [B, 1, d], valid [B, 1] -> (y [B, 1, d], state, {})."""
         q = w.data["larosa"]["rotation"][table_row(w, self.blocks)]  # [d, d]
         rotated = jnp.einsum("btd,de->bte", x.astype(jnp.float32), q)
         keep_x = top_k_mask(jnp.abs(rotated), valid, self.k_x, self.aggregate)
-        x_hat = jnp.einsum("bte,de->btd", jnp.where(keep_x, rotated, 0.0), q).astype(x.dtype)
-        h = activations(w.gate_up, x_hat, gate_activation(w))  # [B, 1, f]
+        if self.kernel == "xla":
+            x_hat = jnp.einsum("bte,de->btd", jnp.where(keep_x, rotated, 0.0), q).astype(x.dtype)
+            h = activations(w.gate_up, x_hat, gate_activation(w))  # [B, 1, f]
+        else:  # x̂ W_guᵀ = S(x') (W_gu Q)ᵀ: the kept rotated entries' rows of the folded copy
+            h = kernel_activations(w, rotated.astype(x.dtype), keep_x, f=self.f, expected_active=self.k_x, kernel=self.kernel)
         keep_h = top_k_mask(jnp.abs(h.astype(jnp.float32)), valid, self.n_keep, self.aggregate)
-        return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
+        if self.kernel == "xla":
+            return down_proj(jnp.where(keep_h, h, 0), w.down), state, {}
+        return kernel_down(w, h, keep_h, d=x.shape[-1], expected_active=self.n_keep, kernel=self.kernel), state, {}
 
     def ffn_weights_read(self, d: int) -> int:
-        """A kernel's read: Q (d²), k_x columns of the rotated gate and up, n_keep columns of down."""
-        return d * d + 2 * self.f * self.k_x + d * self.n_keep
+        """A kernel's read: Q (d²), k_x columns of the rotated gate and up, n_keep columns of down
+        (the TPU kernel reads whole rows: `input_rows.kernel_weights_read`)."""
+        return d * d + kernel_weights_read(self.kernel, d, self.f, self.k_x, self.n_keep)
 
     def ffn_flops_per_token(self, d: int) -> int:
         return 2 * (2 * d * d + 2 * self.f * self.k_x + d * self.n_keep)
@@ -119,15 +143,19 @@ class LaRoSa(SparsityBudget):
         sparsity s; or ``ffn_sparsity``: s itself.
       alpha: the rotated input's share of the sparsity (s_x = alpha · s), in (0, 1.5].
       aggregate: "per_token" (each row its own top k), "max" or "mean" (one mask per batch).
+      kernel: "auto" (default: the Pallas kernels on TPU and GPU, XLA on a CPU and on a mixture
+        of experts), "xla" or "pallas" (the module docstring; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "larosa"
     calibrates: ClassVar[bool] = True
     alpha: float = dataclasses.field(default=1.0, kw_only=True)
     rotations: Rotations | None = dataclasses.field(default=None, kw_only=True, repr=False)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 1.5:
             raise MethodError(f"LaRoSa: alpha={self.alpha!r} is outside (0, 1.5]: it is the rotated input's share of the sparsity")
         if self.rotations is not None and not isinstance(self.rotations, Rotations):
@@ -169,11 +197,39 @@ class LaRoSa(SparsityBudget):
         if self.rotations.q.shape != want or self.rotations.blocks != blocks:
             raise MethodError(f"LaRoSa: {self.rotations!r} do not fit this model ((layers{' × block slots' if blocks else ''}, d, d) = {want}): calibrate on it")
         k_x, k_h = self.kept(cfg)
-        return LaRoSaPlan(f=f, n_keep=k_h, k_x=k_x, aggregate=self.aggregate, blocks=blocks)
+        return LaRoSaPlan(f=f, n_keep=k_h, k_x=k_x, aggregate=self.aggregate, blocks=blocks,
+                          kernel=resolve_kernel("LaRoSa", self.kernel, cfg))
 
     def data(self, model) -> dict | None:
         """``{"larosa": {"rotation": [L, d, d] float32}}`` ([L · slots, d, d] on a MoE model);
-        None when the budget prunes nothing."""
-        if not isinstance(self.bind(model.config), LaRoSaPlan):
+        None when the budget prunes nothing. With a Pallas kernel also ``"rows"``: "gate_up",
+        `folded_rows` (built once per model and rotations), and TEAL's "down"
+        (`input_rows.input_rows_data`)."""
+        plan = self.bind(model.config)
+        if not isinstance(plan, LaRoSaPlan):
             return None
-        return {"larosa": {"rotation": jnp.asarray(self.rotations.q)}}
+        data = {"larosa": {"rotation": jnp.asarray(self.rotations.q)}}
+        if plan.kernel == "xla":
+            return data
+        digest = hashlib.sha256(np.ascontiguousarray(self.rotations.q).tobytes()).hexdigest()
+
+        def build(m):
+            rows = folded_rows(m.ffn_stack(), data["larosa"]["rotation"])
+            return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
+
+        down = input_rows_data(model, ("down",))["down"]
+        return {**data, "rows": {"gate_up": model.derived(f"larosa_folded/{digest}", build), "down": down}}
+
+
+def folded_rows(stack, q: jax.Array) -> InputRows:
+    """Every layer's gate/up with its rotation folded in, W_gu Q [2f, d] per layer, as
+    `ffn_layout.stacked_input_layout` (values [L, d, L_gu, 128]: row e multiplies rotated entry
+    e): from the stacked FFN weights and rotations q [L, d, d]; float weights keep their dtype,
+    int8 weights are dequantized, folded and re-quantized per output channel."""
+    L, _, f, d = stack.gate_up.shape
+    w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
+    folded = jnp.einsum("lnd,lde->lne", w.reshape(L, 2 * f, d), q)
+    if stack.gate_up_scale is None:
+        return stacked_input_layout(folded.astype(stack.gate_up.dtype))
+    values, scale = row_quantize(folded)
+    return stacked_input_layout(values, scale[..., None].astype(jnp.float32))

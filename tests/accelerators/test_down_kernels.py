@@ -23,6 +23,7 @@ import popjax
 from popjax import kernels
 from popjax.methods import MethodError
 from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout
+from popjax.kernels.int8 import quantize
 from tests.accelerators.kernel_paths import check_method_kernel, placeholder_thresholds, ready
 
 # Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
@@ -40,9 +41,10 @@ def llama_int8(tiny_checkpoints):
 # (method, family, layout, aggregate): both FFN activations for CATS (dynamic POP's kernel reads H,
 # after the activation), the batch's shared selection and per-row ones (CATS's per-token masks;
 # dynamic's per-sequence selection: the kernel under vmap), and the scanned model, where the layer
-# index the kernel reads the stacked copy at is traced; int8 weights (their scales in CATS's copy)
+# index the kernel reads the stacked copy at is traced (there block dynamic selection, whose
+# blocks the block kernel reads); int8 weights (their scales in CATS's copy)
 CASES = [("cats", "llama", "unrolled", "max"), ("cats", "gemma3", "scanned", "per_token"), ("cats", "llama_int8", "unrolled", "per_token"),
-         ("dynamic", "llama", "unrolled", "per_sequence"), ("dynamic", "llama", "scanned", "shared")]
+         ("dynamic", "llama", "unrolled", "per_sequence"), ("dynamic-block", "llama", "scanned", "shared")]
 
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)
@@ -136,3 +138,32 @@ def test_kernel_choice_and_bad_input(tiny_model):
     for make in (popjax.Dynamic, popjax.CATS):
         with pytest.raises(MethodError, match="kernel='triton' is not one of"):
             make(ratio=0.4, kernel="triton")
+    # block dynamic selection: n_keep in whole blocks, a block that does not divide f refused
+    channel, block = popjax.Dynamic(ratio=0.4).bind(cfg), popjax.Dynamic(ratio=0.4, block=8).bind(cfg)
+    assert block.n_keep % 8 == 0 and abs(block.n_keep - channel.n_keep) <= 4 and block.block == 8
+    with pytest.raises(MethodError, match=f"block=5 does not divide the FFN width f={cfg.intermediate_size}"):
+        popjax.Dynamic(ratio=0.4, block=5).bind(cfg)
+    with pytest.raises(MethodError, match="block=0 is invalid"):
+        popjax.Dynamic(ratio=0.4, block=0)
+
+
+@pytest.mark.parametrize("kernel", ["pallas-interpret", "pallas-gpu"])
+def test_block_matvec_reads_a_layer_of_a_stack(kernel, monkeypatch):
+    """`decode_ffn.block_matvec` on a stack of 3 layers' int8 input rows read at layer 2 (block
+    dynamic selection's down read of the model's copy): blocks 5, 2, 2 (a repeat, counted once),
+    11, −1 (nothing) and 5 again after another (counted again), against NumPy."""
+    monkeypatch.setattr(ffn_gpu, "gather_matvec", functools.partial(ffn_gpu.gather_matvec, interpret=True))
+    rng = np.random.default_rng(8)
+    layers, k, n, b, batch = 3, 96, 40, 8, 2
+    w = rng.normal(size=(layers, n, k)).astype(np.float32)
+    q, s = quantize(w)
+    rows = ffn_layout.stacked_input_layout(jnp.asarray(q), jnp.asarray(s))
+    x = rng.normal(size=(batch, k)).astype(np.float32)
+    ids = [5, 2, 2, 11, -1, 5]
+    got = decode_ffn.block_matvec(jnp.asarray(x), rows, jnp.asarray(ids, jnp.int32), block=b, out_features=n, layer=2, kernel=kernel)
+    w2, want, prev = q[2] * s[2], np.zeros((batch, n)), None
+    for j in ids:
+        if 0 <= j < k // b and j != prev:
+            want += x[:, j * b : (j + 1) * b] @ w2[:, j * b : (j + 1) * b].T
+        prev = j
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-3, rtol=1e-5)

@@ -28,8 +28,10 @@ from popjax.kernels.traffic import gather_matvec_bytes
 from popjax.kernels.int8 import quantize
 from popjax.methods import MethodError
 from popjax.methods.input_rows import input_major_rows
+from popjax.methods.larosa import folded_rows
 from tests.accelerators.test_kernels_compile import hbm_traffic
 from tests.accelerators.kernel_paths import check_method_kernel, placeholder_thresholds, ready
+from tests.methods.test_calibration import tiny_corpus
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
@@ -165,7 +167,8 @@ def test_gpu_masked_matvec_lowers_to_triton_for_cuda():
 # (method, family, layout, aggregate): both FFN activations, the batch's shared mask and per-row
 # masks, and the scanned model, where the layer index the kernel reads at is traced
 CASES = [("teal", "llama", "unrolled", "max"), ("teal", "gemma3", "unrolled", "per_token"), ("teal", "llama", "scanned", "per_token"),
-         ("wina", "llama", "unrolled", "per_token"), ("principal-teal", "gemma3", "unrolled", "per_token")]
+         ("wina", "llama", "unrolled", "per_token"), ("principal-teal", "gemma3", "unrolled", "per_token"),
+         ("larosa", "llama", "scanned", "per_token")]
 
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)
@@ -196,6 +199,27 @@ def test_the_input_major_copies(tiny_model):
     assert int8["gate_up"].values.dtype == jnp.int8 and int8["gate_up"].scale.shape == (L, 1, channel_lines(2 * f) * 128)
     np.testing.assert_array_equal(int8["gate_up"].scale[1, 0, : 2 * f], gu_scale[1].reshape(-1))
     np.testing.assert_array_equal(int8["down"].scale[0, 0, :d], down_scale[0, :, 0])
+
+
+def test_larosa_folds_its_rotations_into_a_copy(tiny_model):
+    """LaRoSa's kernel reads W_gu Q input-major ([L, d, L(2f), 128]: row e multiplies rotated entry
+    e), built once per model and rotations, beside TEAL's down copy (shared); int8 weights are
+    folded from their dequantized values and re-quantized per output channel."""
+    cfg = tiny_model.config
+    L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    larosa = popjax.LaRoSa(ratio=0.4, kernel="pallas").calibrate(tiny_model, tiny_corpus(), cache=False)
+    rows = larosa.data(tiny_model)["rows"]
+    stack, q = tiny_model.ffn_stack(), larosa.rotations.q
+    want = np.einsum("nd,de->ne", np.asarray(stack.gate_up[1], np.float64).reshape(2 * f, d), q[1])  # layer 1's W_gu Q
+    np.testing.assert_allclose(rows["gate_up"].values[1].reshape(d, -1)[:, : 2 * f], want.T, atol=1e-5)
+    assert larosa.data(tiny_model)["rows"]["gate_up"] is rows["gate_up"]
+    assert rows["down"] is placeholder_thresholds(cfg, popjax.TEAL(ratio=0.4, kernel="pallas")).data(tiny_model)["rows"]["down"]
+    (gu, gu_scale), (down, down_scale) = quantize(np.asarray(stack.gate_up)), quantize(np.asarray(stack.down))
+    int8 = folded_rows(type(stack)(*map(jnp.asarray, (gu, down, gu_scale, down_scale))), jnp.asarray(q))
+    assert int8.values.dtype == jnp.int8 and int8.scale.shape == (L, 1, channel_lines(2 * f) * 128)
+    dequantized = int8.values[1].reshape(d, -1)[:, : 2 * f].astype(np.float32) * int8.scale[1, 0, : 2 * f]
+    folded = np.einsum("nd,de->ne", (gu[1] * gu_scale[1]).reshape(2 * f, d), q[1]).T
+    assert np.max(np.abs(dequantized - folded)) <= 0.51 * np.max(np.abs(folded), axis=0).max() / 127
 
 
 def test_kernel_choice(tiny_model):

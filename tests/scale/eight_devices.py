@@ -100,6 +100,7 @@ def other_methods(model):
     out["pop-bands"] = popjax.LayerBandsPOP(0.3, gamma=0.2).with_drift([0.1, 0.9])  # bands from a given drift
     out["pop-pallas"] = popjax.POP(0.3, gamma=0.2, kernel="pallas")  # the kernel on every device (interpret mode)
     out["dynamic-pallas"] = popjax.Dynamic(0.3, kernel="pallas")  # its replicated down copy
+    out["shortlist-pallas"] = popjax.ShortlistPOP(0.3, gamma=0.2, kernel="pallas")  # row dots, then the down rows
     if model is not None:  # calibrated for real, on random tokens (seconds on this model; not cached)
         from popjax.calibration import Corpus
 

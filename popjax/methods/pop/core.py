@@ -42,11 +42,27 @@ class POPPreset(RatioMethod):
     gamma: float = dataclasses.field(default=0.1, kw_only=True)
     # on a vision-language model: which prompt tokens score the partition (prompt_tokens.py)
     prompt_tokens: str = dataclasses.field(default="all", kw_only=True)
+    # how a decode step reads its data-dependent rows: "auto", "xla" or "pallas" (`kernels.choose`);
+    # a preset whose step has a kernel path says so in `kernel_refusal`
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         check_gamma(self.gamma)
         check_prompt_tokens(self.prompt_tokens)
+        check_choice("kernel", self.kernel, kernels.KERNELS)
+        if self.kernel == "pallas" and self.kernel_refusal():
+            raise MethodError(f"kernel='pallas' {self.kernel_refusal()}; use kernel='xla' or 'auto'")
+
+    def kernel_refusal(self) -> str:
+        """Why these hyper-parameters have no kernel path, completing "kernel='pallas' …" ("" where
+        they have one: POP, gate-scored and shortlisted POP override it)."""
+        return f"is not wired for {self.name} (its step reads no selected rows through a kernel)"
+
+    def resolved_kernel(self) -> str:
+        """What the decode step runs (`popjax.kernels.RESOLVED`): "auto" is XLA where no kernel
+        is wired (`kernel_refusal`)."""
+        return "xla" if self.kernel == "auto" and self.kernel_refusal() else kernels.choose(self.kernel)
 
     def band_rule(self) -> BandRule:
         return GLOBAL_BAND
@@ -58,7 +74,8 @@ class POPPreset(RatioMethod):
         """The `POPPlan` fields beyond f, n_keep and aggregate: m, scorer and band."""
         band = self.band_rule()
         m = band.selected(self.gamma, f, n_keep)
-        return {"m": m, "scorer": self.candidate_scorer(f, n_keep, m), "band": band, "prompt_tokens": self.prompt_tokens}
+        return {"m": m, "scorer": self.candidate_scorer(f, n_keep, m), "band": band, "prompt_tokens": self.prompt_tokens,
+                "kernel": self.resolved_kernel()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +117,6 @@ class POP(POPPreset):
     partition: str = dataclasses.field(default="global", kw_only=True)
     shards: int | None = dataclasses.field(default=None, kw_only=True)
     weights: str = dataclasses.field(default="compact", kw_only=True)
-    kernel: str = dataclasses.field(default="auto", kw_only=True)
     block: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self):
@@ -116,22 +132,11 @@ class POP(POPPreset):
         check_block(self.block)
         if self.block > 1 and self.partition != "global":
             raise MethodError(f"block={self.block} applies to partition='global' only (partition={self.partition!r})")
-        check_choice("kernel", self.kernel, kernels.KERNELS)
-        if self.kernel == "pallas" and (self.weights != "compact" or self.partition != "global"):
-            raise MethodError(
-                f"kernel='pallas' is wired for weights='compact', partition='global' only "
-                f"(weights={self.weights!r}, partition={self.partition!r}); use kernel='xla' or 'auto'"
-            )
 
-    def resolved_kernel(self) -> str:
-        """What the decode step runs (`popjax.kernels.RESOLVED`): "auto" is XLA where no kernel
-        is wired (weights="gather", partition="per_shard")."""
-        if self.kernel == "auto" and (self.weights != "compact" or self.partition != "global"):
-            return "xla"
-        return kernels.choose(self.kernel)
-
-    def plan_sizes(self, f, n_keep):
-        return {**super().plan_sizes(f, n_keep), "kernel": self.resolved_kernel()}
+    def kernel_refusal(self) -> str:
+        if self.weights == "compact" and self.partition == "global":
+            return ""
+        return f"is wired for weights='compact', partition='global' only (weights={self.weights!r}, partition={self.partition!r})"
 
     def band_rule(self) -> BandRule:
         return GLOBAL_BAND if self.block == 1 else BlockBand(self.block)

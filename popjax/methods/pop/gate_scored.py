@@ -31,10 +31,14 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ... import kernels
+from ...kernels.decode_ffn import gather_matvec, gather_row_dots
+from ...kernels.ffn_layout import OutputRows, channel_lines, output_layout
+from ...kernels.int8 import Int8Weight
 from ...sharding import pad_ids
 from ..base import copy_candidates, copy_rows, dot, down_proj, gate_activation, prefill_importance, take_channels
 from .core import POPPreset
-from .plan import CandidateScorer, POPPlan, copy_channels_or_empty
+from .plan import CandidateScorer, POPPlan, candidate_rows, copy_channels_or_empty
 
 
 def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array, act=jax.nn.silu) -> jax.Array:
@@ -43,26 +47,60 @@ def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array, act=jax.nn
     return prefill_importance(act(g), valid, down_norm)
 
 
-def gate_partition_state(w, retained, candidates) -> dict:
+def gate_partition_state(w, retained, candidates, kernel: str = "xla") -> dict:
     """The partition state of a step that reads C's gate rows whole and C's up and down rows
     only where selected: one ``step_rows`` block [(2n_R' + n_C)', d] (gate and up rows of R,
     gate rows of C) for one dense matmul per step and R's down columns [d, n_R'], both split
     over ``model`` on a mesh (base.copy_rows / copy_channels, R padded with zero channels to a
     multiple of the split: n_R' ≥ n_R), and C's up rows and down columns as row blocks
-    [n_C, d] from which a step gathers its selection (replicated, as POP's candidate down rows)."""
+    [n_C, d] from which a step gathers its selection (replicated, as POP's candidate down rows).
+    With a Pallas ``kernel`` those two are the kernels' layouts: C's up rows as
+    `ffn_layout.OutputRows` [n_C, L, 128] and its down columns as `ffn_layout.InputRows`."""
     f = w.gate_up.shape[1]
     padded = pad_ids(retained)
     up_padded = jnp.where(padded >= 0, f + padded, -1)  # up row c of gate_up read as [2f, d] is f + c
+    up = copy_candidates(w.gate_up[1], candidates, axis=0)  # [n_C, d]
     return {
         "retained_idx": retained,  # [n_R]
         "candidate_idx": candidates,  # [n_C]
         # gate R', up R', gate C: [(2 n_R' + n_C)', d]
         "step_rows": copy_rows(w.gate_up, jnp.concatenate([padded, up_padded, candidates])),
-        "up_candidates": copy_candidates(w.gate_up[1], candidates, axis=0),  # [n_C, d]
+        "up_candidates": up if kernel == "xla" else output_rows(up),
         "down_retained": copy_channels_or_empty(w.down, padded, axis=1),  # [d, n_R']
-        "down_candidates": copy_candidates(w.down, candidates, axis=1).T,  # [n_C, d]
+        "down_candidates": copy_candidates(w.down, candidates, axis=1).T if kernel == "xla" else candidate_rows(w.down, candidates),
         "down_norm_candidates": copy_candidates(w.down_norm, candidates, axis=0),  # [n_C]
     }
+
+
+def output_rows(w) -> OutputRows:
+    """Rows [n, d] (an array or an `Int8Weight`, its per-row scale [n, 1] kept) -> the row-dot
+    kernel's `ffn_layout.OutputRows` [n, L, 128]."""
+    if isinstance(w, Int8Weight):
+        return output_layout(w.values, jnp.broadcast_to(w.scale, (w.shape[0], 1)))
+    return output_layout(w)
+
+
+def kernel_up(plan, state, x, ids) -> jax.Array:
+    """The up projections of C's rows ``ids`` [k] (positions in C) through the plan's Pallas
+    kernel: x [B, 1, d] -> [B, 1, k] in x's dtype (only those k rows are read)."""
+    batch = x.shape[0]
+    up = gather_row_dots(x.reshape(batch, -1), state["up_candidates"], ids, kernel=plan.kernel)
+    return up.astype(x.dtype).reshape(batch, 1, -1)
+
+
+def kernel_down(plan, state, h, ids, d: int) -> jax.Array:
+    """Σ over C's channels ``ids`` [k] (positions in C) of h [B, 1, k] times their down columns,
+    through the plan's Pallas kernel (only those k rows are read) -> [B, 1, d]. The kernel reads
+    a row's value at its position: h is placed at its positions of C first (k ≤ n_C values)."""
+    batch = h.shape[0]
+    at = jnp.zeros((batch, plan.n_candidates), h.dtype).at[:, ids].set(h.reshape(batch, -1))
+    return gather_matvec(at, state["down_candidates"], ids, out_features=d, kernel=plan.kernel).reshape(batch, 1, d)
+
+
+def kernel_row_width(plan, d: int) -> int:
+    """The elements a step reads per selected row: L·128 through the TPU kernels (and their
+    interpret mode; `ffn_layout.channel_lines`), d through XLA or the GPU kernels."""
+    return channel_lines(d) * 128 if plan.kernel in kernels.TPU_KERNELS else d
 
 
 def retained_and_gates(state, x, n_candidates: int, act=jax.nn.silu) -> tuple[jax.Array, jax.Array]:
@@ -79,10 +117,16 @@ class GateScorer(CandidateScorer):
 
     name: ClassVar[str] = "pop-gate"
 
+    @property
+    def kernel_wired(self) -> bool:
+        return True
+
     def prefill_state(self, plan, w, x, valid, retained, candidates):
-        return gate_partition_state(w, retained, candidates)
+        return gate_partition_state(w, retained, candidates, plan.kernel)
 
     def decode(self, plan, w, state, x, valid):
+        """With a Pallas ``plan.kernel`` the m selected up rows and down columns are read by the
+        kernels (`kernel_up`, `kernel_down`) instead of XLA's gathers."""
         act = gate_activation(w)
         h_retained, g = retained_and_gates(state, x, plan.n_candidates, act)  # g: gate pre-activations of C
         y = down_proj(h_retained, state["down_retained"])
@@ -90,13 +134,17 @@ class GateScorer(CandidateScorer):
             return y, {}
         scores = gate_scores(g, valid, state["down_norm_candidates"], act)
         top_scores, selected = jax.lax.top_k(scores, plan.m)  # positions within C
+        aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        if plan.kernel != "xla":
+            h_selected = act(take_channels(g, selected, axis=-1)) * kernel_up(plan, state, x, selected)
+            return y + kernel_down(plan, state, h_selected, selected, x.shape[-1]).astype(y.dtype), aux
         up = dot("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
         h_selected = act(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
-        y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
-        return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        return y + h_selected @ take_channels(state["down_candidates"], selected, axis=0), aux
 
     def weights_read(self, plan, d):
-        return 3 * d * plan.n_retained + d * plan.n_candidates + 2 * d * plan.m
+        """The TPU kernels read each selected row whole, L·128 ≥ d (`kernel_row_width`)."""
+        return 3 * d * plan.n_retained + d * plan.n_candidates + 2 * kernel_row_width(plan, d) * plan.m
 
     def flops(self, plan, d):
         """Multiply-adds: gate/up of R, gate of C, up of the m selected, down of n_keep."""
@@ -123,9 +171,15 @@ class GateScoredPOP(POPPreset):
       gamma: candidate band width as a fraction of f, in [0, 1] (POP's sizes). A candidate costs
         half of POP's per step, so γ = 2·γ_POP reads the same bytes as POP at γ_POP.
       aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
+      kernel: how a step reads the m selected candidates' up rows and down columns: "auto"
+        (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
+        (`kernels.decode_ffn.gather_row_dots`, then `gather_matvec`; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "pop-gate"
+
+    def kernel_refusal(self) -> str:
+        return ""
 
     def candidate_scorer(self, f, n_keep, m):
         return GATE

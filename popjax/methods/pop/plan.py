@@ -54,6 +54,12 @@ class CandidateScorer:
         """Whether the state holds copied weight rows (see base.AggregatedPlan)."""
         return True
 
+    @property
+    def kernel_wired(self) -> bool:
+        """Whether the step reads its selected rows through a Pallas kernel when the plan's
+        ``kernel`` names one (the exact scorer with compact weights, the gate and shortlist scorers)."""
+        return False
+
     def prefill_state(self, plan: "POPPlan", w, x, valid, retained, candidates) -> dict:
         """The partition state of R = ``retained`` [n_R] and C = ``candidates`` [n_C] (channel
         ids by decreasing prompt importance), from the layer's weights ``w`` and the prompt
@@ -93,6 +99,10 @@ class ExactScorer(CandidateScorer):
 
     @property
     def compact_weights(self) -> bool:
+        return not self.gather
+
+    @property
+    def kernel_wired(self) -> bool:
         return not self.gather
 
     def prefill_state(self, plan, w, x, valid, retained, candidates):
@@ -276,14 +286,15 @@ class POPPlan(AggregatedPlan):
     blocks: int = 0
     prompt_tokens: str = "all"  # which prompt tokens of a VLM's prompt score the partition (prompt_tokens.py)
     # what reads the selected candidates' rows at decode (`popjax.kernels.RESOLVED`, resolved at
-    # bind by `kernels.choose`): "xla", or a Pallas kernel (ExactScorer with compact weights only)
+    # bind by `kernels.choose`): "xla", or a Pallas kernel (a scorer whose `kernel_wired` says so)
     kernel: str = "xla"
 
     def __post_init__(self):
         self.band.check(self.scorer)
         check_choice("kernel", self.kernel, kernels.RESOLVED)
-        if self.kernel != "xla" and not (type(self.scorer) is ExactScorer and not self.scorer.gather):
-            raise MethodError(f"kernel={self.kernel!r} is wired for POP's exact scorer with compact weights only, not {self.scorer!r}")
+        if self.kernel != "xla" and not self.scorer.kernel_wired:
+            raise MethodError(f"kernel={self.kernel!r} is wired for the exact scorer with compact weights, the gate and the "
+                              f"shortlist scorers only, not {self.scorer!r}")
 
     @property
     def name(self) -> str:  # what the presets are registered as: "pop", "pop-gate", ...

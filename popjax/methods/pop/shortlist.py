@@ -36,9 +36,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..base import MethodError, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels
+from ..base import MethodError, copy_candidates, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels
 from .core import POPPreset
-from .gate_scored import gate_partition_state, gate_scores, retained_and_gates
+from .gate_scored import gate_partition_state, gate_scores, kernel_down, kernel_row_width, kernel_up, retained_and_gates
 from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
 
 PRIORS = ("none", "up", "gated_up")  # what the scorer computes; each preset offers its own subset
@@ -58,14 +58,19 @@ class ShortlistScorer(CandidateScorer):
     def __post_init__(self):
         check_choice("prior", self.prior, PRIORS)
 
+    @property
+    def kernel_wired(self) -> bool:
+        return True
+
     def prefill_state(self, plan, w, x, valid, retained, candidates):
-        state = gate_partition_state(w, retained, candidates)
+        state = gate_partition_state(w, retained, candidates, plan.kernel)
+        up_rows = copy_candidates(w.gate_up[1], candidates, axis=0) if plan.kernel != "xla" and self.prior != "none" else None
         if self.prior == "up":  # one more prefill matmul: the candidates' up rows
-            up = dot("btd,nd->btn", x, state["up_candidates"])
+            up = dot("btd,nd->btn", x, state["up_candidates"] if up_rows is None else up_rows)
             state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
         elif self.prior == "gated_up":
             gate = gate_activation(w)(dot("btd,nd->btn", x, take_channels(w.gate_up[0], candidates, axis=0)))
-            up = dot("btd,nd->btn", x, state["up_candidates"])
+            up = dot("btd,nd->btn", x, state["up_candidates"] if up_rows is None else up_rows)
             importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
             gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
             state["shortlist_weight"] = jnp.where(gate_norm > 0, importance / jnp.where(gate_norm > 0, gate_norm, 1.0), 0.0)
@@ -79,16 +84,22 @@ class ShortlistScorer(CandidateScorer):
             return y, {}
         weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
         shortlist = jax.lax.top_k(gate_scores(g, valid, weight, act), self.s)[1]  # [s] within C
-        up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
+        if plan.kernel != "xla":  # the shortlist's up rows through the row-dot kernel
+            up = kernel_up(plan, state, x, shortlist)
+        else:
+            up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
         h = act(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
         norms = take_channels(state["down_norm_candidates"], shortlist, axis=0)
         top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), plan.m)  # within the shortlist
         selected = take_channels(shortlist, pick, axis=0)  # positions within C
-        y = y + take_channels(h, pick, axis=-1) @ take_channels(state["down_candidates"], selected, axis=0)
-        return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        if plan.kernel != "xla":
+            return y + kernel_down(plan, state, take_channels(h, pick, axis=-1), selected, x.shape[-1]).astype(y.dtype), aux
+        return y + take_channels(h, pick, axis=-1) @ take_channels(state["down_candidates"], selected, axis=0), aux
 
     def weights_read(self, plan, d):
-        return 3 * d * plan.n_retained + d * plan.n_candidates + d * self.s + d * plan.m
+        """The TPU kernels read each shortlisted up row and selected down row whole (L·128 ≥ d)."""
+        return 3 * d * plan.n_retained + d * plan.n_candidates + kernel_row_width(plan, d) * (self.s + plan.m)
 
     def flops(self, plan, d):
         """Multiply-adds: gate/up of R, gate of C, up of the shortlist, down of n_keep."""
@@ -124,6 +135,9 @@ class ShortlistPOP(POPPreset):
         m = round(γ·n_keep) channels are chosen per step: γ = 1 leaves R empty).
       prior: "none" (gate score) or "up" (gate score × the prompt's up norm per candidate).
       aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
+      kernel: how a step reads the shortlist's up rows and the selected down columns: "auto"
+        (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
+        (`kernels.decode_ffn.gather_row_dots`, then `gather_matvec`; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "pop-shortlist"
@@ -139,6 +153,9 @@ class ShortlistPOP(POPPreset):
         lowest = 0.5 if self.band == "pop" else 0.0
         if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, (int, float)) or not lowest <= self.shortlist <= 1:
             raise MethodError(f"shortlist={self.shortlist!r} is outside [{lowest}, 1] (the fraction of the band scored exactly)")
+
+    def kernel_refusal(self) -> str:
+        return ""
 
     def band_rule(self):
         return UNKEPT_BAND if self.band == "all" else GLOBAL_BAND

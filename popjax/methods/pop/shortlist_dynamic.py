@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from ... import kernels
 from ..base import MethodError, RatioMethod
 from .plan import UNKEPT_BAND, POPPlan, check_choice
 from .shortlist import ShortlistScorer, shortlist_size
@@ -67,15 +68,20 @@ class ShortlistDynamic(RatioMethod):
       prior: the per-channel weight of the gate estimate, from the prompt: "up" (the up
         projection's norm), "gated_up" (the up magnitude where the gate opens) or "none".
       aggregate: "per_sequence" (default: a selection per sequence) or "shared" (one per batch).
+      kernel: how a step reads the shortlist's up rows and the selected down columns: "auto"
+        (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas" (as
+        shortlisted POP's; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "dynamic-shortlist"
     plan_class: ClassVar[type] = POPPlan
     shortlist: float = dataclasses.field(default=0.65, kw_only=True)
     prior: str = dataclasses.field(default="up", kw_only=True)
+    kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("kernel", self.kernel, kernels.KERNELS)
         if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, (int, float)) or not 0 < self.shortlist <= 1:
             raise MethodError(f"shortlist={self.shortlist!r} is outside (0, 1] (the fraction of all f channels scored exactly)")
         check_choice("prior", self.prior, PRIORS)
@@ -83,4 +89,4 @@ class ShortlistDynamic(RatioMethod):
     def plan_sizes(self, f: int, n_keep: int) -> dict:
         """m = n_keep under the unkept band: R is empty and every channel a candidate (n_C = f)."""
         s = shortlist_size(self.shortlist, n_keep, f)
-        return {"m": n_keep, "scorer": ShortlistScorer(s, self.prior), "band": UNKEPT_BAND}
+        return {"m": n_keep, "scorer": ShortlistScorer(s, self.prior), "band": UNKEPT_BAND, "kernel": kernels.choose(self.kernel)}
