@@ -8,9 +8,9 @@ functional interfaces, so that a faster kernel for one platform drops in at one 
 * `ffn_layout`: the decode-FFN kernels' weight layouts (`BlockSlab`, `ChannelRows`,
   `InputRows`, `OutputRows`); `selection` how a choice of rows becomes what a kernel reads;
   `traffic` the bytes each moves per call; `ffn_tpu` (Mosaic: `block_ffn`, `gather_ffn`),
-  `matvec_tpu` (`gather_matvec`, `block_matvec`, `masked_matvec`, `gather_row_dots`) and
-  `ffn_gpu` (Triton: the
-  same) read only the weight rows or blocks a decode step selected (docs/kernels.md).
+  `matvec_tpu` (`gather_matvec`, `values_matvec`, `block_matvec`, `masked_matvec`,
+  `gather_row_dots`) and `ffn_gpu` (Triton: the same) read only the weight rows or blocks a
+  decode step selected (docs/kernels.md).
 * Here: `choose`, the ONE place that maps a method's ``kernel`` hyper-parameter ("auto",
   "xla", "pallas") to what runs on this platform (`RESOLVED`); `decode_ffn` calls the kernel a
   resolved value names (a plan imports it; importing this package does not load Pallas).

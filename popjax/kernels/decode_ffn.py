@@ -6,7 +6,8 @@ Pallas' interpret mode (a CPU), "pallas-gpu" the Triton ones (`ffn_gpu`). `gathe
 single rows (channel POP's selected candidates), `block_matvec` whole blocks of consecutive rows
 (block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's), `gated_ffn` the up
 and down rows of the channels a mask keeps, given their gate values (CATS's), `gather_row_dots`
-single output rows (gate-scored and shortlisted POP's up rows of the candidates they score).
+single output rows (gate-scored and shortlisted POP's up rows of the candidates they score) and
+`values_matvec` the rows of inputs whose values the step computed for them alone (their down rows).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -38,6 +39,19 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(call)(x, rows, ids)
+
+
+def values_matvec(values: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
+    """y [B, n] = Σ_p values[:, p] · W[ids[p]] (values [B, m] given per position beside ids [m],
+    W as `ffn_layout.InputRows` [k, L, 128]) by the Pallas ``kernel``: only the m rows are read."""
+    if kernel == "pallas-gpu":
+        call = lambda v, rows, ids: ffn_gpu.values_matvec(v, rows, ids, out_features=out_features)  # noqa: E731
+    elif kernel in TPU_KERNELS:
+        interpret = kernel == "pallas-interpret"
+        call = lambda v, rows, ids: matvec_tpu.values_matvec(v, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
+    else:
+        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    return per_device(call)(values, rows, ids)
 
 
 def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, kernel: str) -> jax.Array:

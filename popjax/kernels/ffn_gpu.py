@@ -38,6 +38,7 @@ from .ffn_layout import (
     check_input_rows,
     check_output_rows,
     check_slab,
+    check_values,
     masked_selection,
     stack_view,
 )
@@ -279,6 +280,17 @@ def gather_matvec(
         scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     return _rows_matvec(xs, rows.values.reshape(-1, lines * 128), fetch, sel.keep, scale,
                         out_features=out_features, dtype=x.dtype, interpret=interpret, splits=splits)
+
+
+def values_matvec(values: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, interpret: bool = False,
+                  splits: int | None = None) -> jax.Array:
+    """`matvec_tpu.values_matvec` on a GPU: y [B, n] = Σ_p values[:, p] · W[ids[p]], values [B, m]
+    beside ids [m], W as `InputRows` [k, L, 128]: the down kernel of `rows_ffn`."""
+    k, lines = check_values(values, rows, ids, out_features)
+    sel = select_channels(ids, k, values.shape[0])
+    xs = values.astype(jnp.float32) * sel.keep[None, :].astype(jnp.float32)
+    return _rows_matvec(xs, rows.values.reshape(k, lines * 128), sel.ids, sel.keep, rows.scale,
+                        out_features=out_features, dtype=values.dtype, interpret=interpret, splits=splits)
 
 
 def masked_matvec(

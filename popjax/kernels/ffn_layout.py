@@ -275,6 +275,15 @@ def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tupl
     return k, lines
 
 
+def check_values(values: jax.Array, rows: "InputRows", ids: jax.Array, out_features: int) -> tuple[int, int]:
+    """A matvec given its inputs' values per position: values [B, m] beside ids [m], rows
+    [k, L, 128] holding ``out_features`` outputs -> (k, L)."""
+    if ids.ndim != 1 or values.ndim != 2 or values.shape[1] != ids.shape[0]:
+        raise ValueError(f"values of shape {tuple(values.shape)} with ids of shape {tuple(ids.shape)}: expected values [B, m] beside ids [m]")
+    check_x(values, ids.shape[0])
+    return check_input_rows(rows, jax.ShapeDtypeStruct((values.shape[0], rows.values.shape[0]), values.dtype), out_features)
+
+
 def check_output_rows(rows: "OutputRows", x: jax.Array) -> int:
     """A row-dot's inputs: rows values [n, L, 128] (L = `channel_lines` of x's d) and x [B, d] -> n."""
     shape, d = tuple(rows.values.shape), x.shape[-1]

@@ -10,7 +10,8 @@ stack of every layer's, `ffn_layout.stacked_input_layout`):
     y  = masked_matvec(H, down_rows, |H| > t_h, out_features=d, layer=l)
 
 as TEAL's own Triton kernel reads W's transpose. `gather_matvec` takes a list of inputs instead
-of a mask (channel POP's selected candidates). The rows are fetched with the same
+of a mask (channel POP's selected candidates), `values_matvec` a list of inputs with their
+values (gate-scored and shortlisted POP's, computed for the chosen rows only). The rows are fetched with the same
 double-buffered per-row DMAs as `ffn_tpu.gather_ffn` (`ffn_tpu.fetch_rows`); a batch is served
 as the union of its rows' active inputs, a row adding only its own (its x there, else 0).
 
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, masked_selection
+from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, check_values, masked_selection
 from .selection import counted_blocks, select_channels
 from .traffic import block_matvec_bytes, gather_matvec_bytes, gather_row_dots_bytes
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
@@ -92,6 +93,27 @@ def gather_matvec(
     xs = x[:, sel.ids].T * mask  # [n, B]: each position's input value, 0 where not chosen
     n = sel.ids.shape[0]
     return _rows_matvec(xs, sel.ids, sel.keep, rows.values, rows.scale, out_features=out_features, rows_read=n,
+                        chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
+
+
+def values_matvec(
+    values: jax.Array,
+    rows: InputRows,
+    ids: jax.Array,
+    *,
+    out_features: int,
+    chunk: int = 64,
+    interpret: bool | pltpu.InterpretParams = False,
+    chip: str = "v5e",
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """y [B, n] = Σ_p values[:, p] · W[ids[p]] for values [B, m] given per position (a step that
+    computed its inputs for the chosen rows only: nothing to gather from a wider x) and ids [m]
+    into W as `InputRows` [k, L, 128] (`selection`'s contract: a position not kept adds nothing)."""
+    k, _ = check_values(values, rows, ids, out_features)
+    sel = select_channels(ids, k, values.shape[0])
+    xs = (values * sel.keep[None, :].astype(values.dtype)).T  # [m, B]
+    return _rows_matvec(xs, sel.ids, sel.keep, rows.values, rows.scale, out_features=out_features, rows_read=ids.shape[0],
                         chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
 
 

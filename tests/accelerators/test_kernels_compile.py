@@ -362,5 +362,7 @@ def test_bad_input_is_one_clear_line():
     _fail(matvec_tpu.gather_row_dots, S((2, 2000), "bfloat16"), outputs, S((4,), "int32"),
           match=r"rows of shape \(64, 8, 128\) do not fit x's d=2000; expected \[n, 16, 128\] \(ffn_layout.output_layout\)")
     _fail(ffn_gpu.gather_row_dots, S((2, 1000), "bfloat16"), outputs, S((2, 4), "int32"), match=r"ids of shape \(2, 4\): expected \[m\]")
+    _fail(matvec_tpu.values_matvec, S((2, 5), "float32"), inputs, S((4,), "int32"), out_features=1000,
+          match=r"values of shape \(2, 5\) with ids of shape \(4,\): expected values \[B, m\] beside ids \[m\]")
     _fail(matvec_tpu.gather_row_dots, S((2, 1000), "bfloat16"), ffn_layout.OutputRows(outputs.values, S((63,), "float32")),
           S((4,), "int32"), match=r"scale of shape \(63,\) does not fit rows \(64, 8, 128\); expected \[64\]")

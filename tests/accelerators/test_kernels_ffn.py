@@ -346,3 +346,18 @@ def test_row_dots_match_numpy(platform, w_dtype, x_dtype, batch):
         if p < count and 0 <= j < F and not repeat:
             want[:, p] = x64 @ w64[j]
     check(u, want, x_dtype)
+
+
+@pytest.mark.parametrize("platform, w_dtype", [("tpu", "int8"), ("gpu", "float32")])
+def test_values_matvec_matches_numpy(platform, w_dtype):
+    """`values_matvec` (the down read of gate-scored and shortlisted POP: values computed for the
+    chosen rows only) against loops: W [200, 96] input-major, 7 positions with a repeat (its
+    second position adds nothing) and an id past the end (nothing)."""
+    rng = np.random.default_rng(15)
+    rows, w64 = laid_out(rng.standard_normal((D, F)).astype(np.float32) / 8, w_dtype, ffn_layout.input_layout)
+    ids = [4, 90, 90, 17, F, 0, 33]
+    values = rng.standard_normal((3, len(ids))).astype(np.float32)
+    fn = matvec_tpu.values_matvec if platform == "tpu" else ffn_gpu.values_matvec
+    y = fn(jnp.asarray(values), rows, jnp.asarray(ids, jnp.int32), out_features=D, interpret=True)
+    want = sum(values[:, [p]] * w64[:, j][None, :] for p, j in enumerate(ids) if j < F and not (p and ids[p - 1] == j))
+    check(y, want, "float32")

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import kernels
-from ...kernels.decode_ffn import gather_matvec, gather_row_dots
+from ...kernels.decode_ffn import gather_row_dots, values_matvec
 from ...kernels.ffn_layout import OutputRows, channel_lines, output_layout
 from ...kernels.int8 import Int8Weight
 from ...sharding import pad_ids
@@ -90,11 +90,9 @@ def kernel_up(plan, state, x, ids) -> jax.Array:
 
 def kernel_down(plan, state, h, ids, d: int) -> jax.Array:
     """Σ over C's channels ``ids`` [k] (positions in C) of h [B, 1, k] times their down columns,
-    through the plan's Pallas kernel (only those k rows are read) -> [B, 1, d]. The kernel reads
-    a row's value at its position: h is placed at its positions of C first (k ≤ n_C values)."""
+    through the plan's Pallas kernel (only those k rows are read) -> [B, 1, d]."""
     batch = h.shape[0]
-    at = jnp.zeros((batch, plan.n_candidates), h.dtype).at[:, ids].set(h.reshape(batch, -1))
-    return gather_matvec(at, state["down_candidates"], ids, out_features=d, kernel=plan.kernel).reshape(batch, 1, d)
+    return values_matvec(h.reshape(batch, -1), state["down_candidates"], ids, out_features=d, kernel=plan.kernel).reshape(batch, 1, d)
 
 
 def kernel_row_width(plan, d: int) -> int:
@@ -173,7 +171,7 @@ class GateScoredPOP(POPPreset):
       aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
       kernel: how a step reads the m selected candidates' up rows and down columns: "auto"
         (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
-        (`kernels.decode_ffn.gather_row_dots`, then `gather_matvec`; interpret mode on a CPU).
+        (`kernels.decode_ffn.gather_row_dots`, then `values_matvec`; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "pop-gate"

@@ -137,7 +137,7 @@ class ShortlistPOP(POPPreset):
       aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
       kernel: how a step reads the shortlist's up rows and the selected down columns: "auto"
         (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
-        (`kernels.decode_ffn.gather_row_dots`, then `gather_matvec`; interpret mode on a CPU).
+        (`kernels.decode_ffn.gather_row_dots`, then `values_matvec`; interpret mode on a CPU).
     """
 
     name: ClassVar[str] = "pop-shortlist"
