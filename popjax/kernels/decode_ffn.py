@@ -18,6 +18,8 @@ would leave XLA's partitioner to guess how to split an opaque custom call.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -31,39 +33,32 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     """y [B, n] = W · x over x's inputs ``ids`` ([m] or [B, m]; `selection`'s
     contract) with W as `ffn_layout.InputRows` [k, L, 128], x [B, k], by the Pallas ``kernel``
     (one of `RESOLVED` but "xla"); ValueError naming any other value."""
-    if kernel == "pallas-gpu":
-        call = lambda x, rows, ids: ffn_gpu.gather_matvec(x, rows, ids, out_features=out_features)  # noqa: E731
-    elif kernel in TPU_KERNELS:
-        interpret = kernel == "pallas-interpret"
-        call = lambda x, rows, ids: matvec_tpu.gather_matvec(x, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
-    else:
-        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    call = platform_call(kernel, ffn_gpu.gather_matvec, matvec_tpu.gather_matvec, out_features=out_features)
     return per_device(call)(x, rows, ids)
 
 
 def values_matvec(values: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
     """y [B, n] = Σ_p values[:, p] · W[ids[p]] (values [B, m] given per position beside ids [m],
     W as `ffn_layout.InputRows` [k, L, 128]) by the Pallas ``kernel``: only the m rows are read."""
-    if kernel == "pallas-gpu":
-        call = lambda v, rows, ids: ffn_gpu.values_matvec(v, rows, ids, out_features=out_features)  # noqa: E731
-    elif kernel in TPU_KERNELS:
-        interpret = kernel == "pallas-interpret"
-        call = lambda v, rows, ids: matvec_tpu.values_matvec(v, rows, ids, out_features=out_features, interpret=interpret)  # noqa: E731
-    else:
-        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
+    call = platform_call(kernel, ffn_gpu.values_matvec, matvec_tpu.values_matvec, out_features=out_features)
     return per_device(call)(values, rows, ids)
 
 
 def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, kernel: str) -> jax.Array:
     """u [B, m] f32 = x · W[ids]ᵀ for x [B, d] and W as `ffn_layout.OutputRows` [n, L, 128],
     ids [m] (`selection`'s contract), by the Pallas ``kernel``: only the m rows are read."""
+    return per_device(platform_call(kernel, ffn_gpu.gather_row_dots, matvec_tpu.gather_row_dots))(x, rows, ids)
+
+
+def platform_call(kernel: str, gpu, tpu, **kwargs):
+    """The Pallas function a resolved ``kernel`` names, ``gpu`` (Triton) or ``tpu`` (Mosaic, or
+    its interpret mode for "pallas-interpret"), with ``kwargs``; ValueError on "xla" or another
+    value."""
     if kernel == "pallas-gpu":
-        call = lambda x, rows, ids: ffn_gpu.gather_row_dots(x, rows, ids)  # noqa: E731
-    elif kernel in TPU_KERNELS:
-        call = lambda x, rows, ids: matvec_tpu.gather_row_dots(x, rows, ids, interpret=kernel == "pallas-interpret")  # noqa: E731
-    else:
-        raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(call)(x, rows, ids)
+        return functools.partial(gpu, **kwargs)
+    if kernel in TPU_KERNELS:
+        return functools.partial(tpu, interpret=kernel == "pallas-interpret", **kwargs)
+    raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
 
 
 def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_features: int, layer, expected_active: int,
