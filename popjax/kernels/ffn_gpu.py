@@ -35,10 +35,10 @@ from .ffn_layout import (
     activation,
     check_channel_rows,
     check_gate,
-    check_input_rows,
     check_output_rows,
     check_slab,
     check_values,
+    input_stack,
     masked_selection,
     stack_view,
 )
@@ -266,19 +266,11 @@ def gather_matvec(
     [B, m], + count), W as `InputRows` [k, L, 128], or a stack of layers [S, k, L, 128] read at
     ``layer`` (the loads offset into it). The down kernel of `rows_ffn` with x's values at the
     positions in place of h."""
-    stacked = rows.values.ndim == 4
-    if stacked != (layer is not None):
-        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
-    k, lines = check_input_rows(InputRows(jax.ShapeDtypeStruct(rows.values.shape[-3:], rows.values.dtype)), x, out_features)
+    k, lines, values, scale, first = input_stack(rows, x, out_features, layer)
     sel = select_channels(ids, k, x.shape[0], count)
     mask = sel.keep[:, None].astype(jnp.float32) if sel.mask is None else sel.mask
     xs = x[:, sel.ids].astype(jnp.float32) * mask.T  # [B, U]
-    fetch, scale = sel.ids, rows.scale
-    if stacked:
-        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, rows.values.shape[0] - 1)
-        fetch = fetch + layer * k
-        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
-    return _rows_matvec(xs, rows.values.reshape(-1, lines * 128), fetch, sel.keep, scale,
+    return _rows_matvec(xs, values.reshape(-1, lines * 128), sel.ids + first, sel.keep, scale,
                         out_features=out_features, dtype=x.dtype, interpret=interpret, splits=splits)
 
 

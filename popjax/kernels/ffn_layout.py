@@ -275,6 +275,22 @@ def check_input_rows(rows: "InputRows", x: jax.Array, out_features: int) -> tupl
     return k, lines
 
 
+def input_stack(rows: "InputRows", x, out_features: int, layer=None) -> tuple[int, int, jax.Array, jax.Array | None, jax.Array | int]:
+    """An input-row matvec's rows as one matrix: rows [k, L, 128] (``layer`` None) or a stack of
+    layers [S, k, L, 128] read at ``layer`` (clamped into [0, S)), checked against x [B, k] ->
+    (k, L, values [S·k, L, 128] (a bitcast: no layer copied out), the layer's scale [1, L·128]
+    or None, the layer's first row in values: layer·k)."""
+    stacked = rows.values.ndim == 4
+    if stacked != (layer is not None):
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
+    k, lines = check_input_rows(InputRows(jax.ShapeDtypeStruct(rows.values.shape[-3:], rows.values.dtype)), x, out_features)
+    if not stacked:
+        return k, lines, rows.values, rows.scale, 0
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, rows.values.shape[0] - 1)
+    scale = None if rows.scale is None else jax.lax.dynamic_index_in_dim(rows.scale, layer, keepdims=False)
+    return k, lines, rows.values.reshape(-1, lines, 128), scale, layer * k
+
+
 def check_values(values: jax.Array, rows: "InputRows", ids: jax.Array, out_features: int) -> tuple[int, int]:
     """A matvec given its inputs' values per position: values [B, m] beside ids [m], rows
     [k, L, 128] holding ``out_features`` outputs -> (k, L)."""

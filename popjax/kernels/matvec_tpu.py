@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, check_values, masked_selection
+from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, check_values, input_stack, masked_selection
 from .selection import counted_blocks, select_channels
 from .traffic import block_matvec_bytes, gather_matvec_bytes, gather_row_dots_bytes
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
@@ -240,21 +240,14 @@ def block_matvec(
     scalar-prefetched ids (block-granular POP and dynamic selection), so the pipeline
     double-buffers whole contiguous blocks instead of issuing a DMA per row, and does not fetch a
     repeat again."""
-    stacked = rows.values.ndim == 4
-    if stacked != (layer is not None):
-        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
-    k, lines = check_input_rows(InputRows(jax.ShapeDtypeStruct(rows.values.shape[-3:], rows.values.dtype)), x, out_features)
+    k, lines, values, scale, first = input_stack(rows, x, out_features, layer)
     check_block(block, k)
     if block_ids.ndim != 1 or block_ids.shape[0] < 1:
         raise ValueError(f"block_ids of shape {tuple(block_ids.shape)}: expected [nb] with nb >= 1 (one list for every row)")
     batch, width, steps = x.shape[0], lines * 128, block_ids.shape[0]
     raw, counted = counted_blocks(block_ids, k // block)
     ids = jnp.clip(raw, 0, k // block - 1)  # what the index map fetches: always a real block
-    values, scale, fetch = rows.values, rows.scale, ids
-    if stacked:  # the stack as one matrix of S·k rows (a bitcast), the layer's blocks by offset
-        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, values.shape[0] - 1)
-        values, fetch = values.reshape(-1, lines, 128), ids + layer * (k // block)
-        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
+    fetch = ids + first // block  # a stacked layer's blocks by offset
     # each block's inputs [nb, B, b], taken as whole blocks: an element-wise gather of their
     # positions costs XLA:TPU ~350 KB per block (its cost model), a block-row take a few KB
     xs = x.reshape(batch, k // block, block)[:, ids].transpose(1, 0, 2) * counted[:, None, None].astype(x.dtype)
