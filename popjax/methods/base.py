@@ -54,6 +54,23 @@ def round_half_up(x: float) -> int:
     return int(math.floor(x + 0.5))
 
 
+def check_block(block) -> None:
+    """MethodError unless ``block`` is a positive integer (a block-granular method's block size)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise MethodError(f"block={block!r} is invalid; use a positive integer (1: single channels)")
+
+
+def top_blocks(scores: jax.Array, count: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """The ``count`` best blocks of ``block`` consecutive entries of scores [n] by the L2 norm of
+    their scores -> (those norms [count], block ids [count]; ``lax.top_k``: ties to the lower id)."""
+    return jax.lax.top_k(jnp.sqrt(jnp.sum(jnp.square(scores.reshape(-1, block)), axis=-1)), count)
+
+
+def block_channels(ids: jax.Array, block: int) -> jax.Array:
+    """Block ids [nb] -> their entries [nb · block], each block's in order."""
+    return (ids[:, None] * block + jnp.arange(block, dtype=ids.dtype)).reshape(-1)
+
+
 def kept_channels(cfg: ModelConfig, ratio: float) -> int:
     """n_keep = f − round(r_ffn · f), static per model and ratio."""
     if cfg.intermediate_sizes is not None:

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..models.config import ModelConfig
-from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_choice, down_proj,
-                   kept_channels, round_half_up, score_prompt, step_importance, take_channels)
+from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, block_channels, check_block,
+                   check_choice, down_proj, kept_channels, round_half_up, score_prompt, step_importance, take_channels, top_blocks)
 from .input_rows import input_rows_data, kernel_down, kernel_down_blocks, kernel_weights_read, resolve_kernel
 
 
@@ -52,11 +52,11 @@ class DynamicPlan(AggregatedPlan):
         h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w.down_norm)  # [f]
         if self.block > 1:  # whole blocks: the top n_keep/b by the L2 norm of their channels' scores
-            blocks = jax.lax.top_k(jnp.sqrt(jnp.sum(jnp.square(scores.reshape(-1, self.block)), axis=-1)), self.n_keep // self.block)[1]
+            blocks = top_blocks(scores, self.n_keep // self.block, self.block)[1]
             if self.kernel != "xla":
                 y = kernel_down_blocks(w, h, blocks, block=self.block, d=x.shape[-1], kernel=self.kernel)
                 return y, state, {"scores": scores}
-            selected = (blocks[:, None] * self.block + jnp.arange(self.block, dtype=blocks.dtype)).reshape(-1)
+            selected = block_channels(blocks, self.block)
         else:
             _, selected = jax.lax.top_k(scores, self.n_keep)
         if self.kernel == "xla":
@@ -99,8 +99,7 @@ class Dynamic(RatioMethod):
     def __post_init__(self):
         super().__post_init__()
         check_choice("kernel", self.kernel, kernels.KERNELS)
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise MethodError(f"block={self.block!r} is invalid; use a positive integer (1: single channels)")
+        check_block(self.block)
 
     def resolved_kernel(self, cfg: ModelConfig) -> str:
         """What the decode step runs (`input_rows.resolve_kernel`)."""

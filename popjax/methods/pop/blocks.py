@@ -28,12 +28,6 @@ from ..base import MethodError, round_half_up
 from .plan import GlobalBand
 
 
-def check_block(block) -> None:
-    """MethodError unless ``block`` is a positive integer."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise MethodError(f"block={block!r} is invalid; use a positive integer (1: single channels)")
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockBand(GlobalBand):
     """POP's band (`GlobalBand`: n_C = 2m straddling the cut at n_keep) with m in whole blocks of

@@ -20,9 +20,9 @@ from typing import ClassVar
 
 from ... import kernels
 from ...models.config import ModelConfig
-from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
+from ..base import DensePlan, MethodError, Plan, RatioMethod, check_block, check_gamma, kept_channels, round_half_up
 from ..prompt_tokens import check_prompt_tokens
-from .blocks import BlockBand, check_block
+from .blocks import BlockBand
 from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
 from .sharded import POPShardedPlan
 

@@ -37,8 +37,8 @@ from ...kernels.int8 import Int8Weight, empty_along
 from ...sharding import pad_ids
 from ..prompt_tokens import scoring_tokens
 from ..base import (
-    gate_activation, check_choice, copy_candidates, AggregatedPlan, MethodError, activations, copy_channels, copy_gate_up, down_proj, round_half_up, score_prompt,
-    step_importance, take_channels, take_gate_up,
+    gate_activation, check_choice, copy_candidates, AggregatedPlan, MethodError, activations, block_channels, copy_channels, copy_gate_up, down_proj,
+    round_half_up, score_prompt, step_importance, take_channels, take_gate_up, top_blocks,
 )
 
 
@@ -192,9 +192,8 @@ def top_candidates(scores: jax.Array, m: int, block: int = 1) -> tuple[jax.Array
     whose scores have the largest L2 norm, each block's positions in order (with its norm)."""
     if block == 1:
         return jax.lax.top_k(scores, m)
-    top, ids = jax.lax.top_k(jnp.sqrt(jnp.sum(jnp.square(scores.reshape(-1, block)), axis=-1)), m // block)
-    positions = (ids[:, None] * block + jnp.arange(block, dtype=ids.dtype)).reshape(-1)
-    return jnp.repeat(top, block), positions
+    top, ids = top_blocks(scores, m // block, block)
+    return jnp.repeat(top, block), block_channels(ids, block)
 
 
 def candidate_rows(down, candidates: jax.Array) -> InputRows:
