@@ -47,7 +47,7 @@ def gate_scores(g: jax.Array, valid: jax.Array, down_norm: jax.Array, act=jax.nn
     return prefill_importance(act(g), valid, down_norm)
 
 
-def gate_partition_state(w, retained, candidates, kernel: str = "xla") -> dict:
+def gate_partition_state(w, retained, candidates, kernel: str = "xla", up=None) -> dict:
     """The partition state of a step that reads C's gate rows whole and C's up and down rows
     only where selected: one ``step_rows`` block [(2n_R' + n_C)', d] (gate and up rows of R,
     gate rows of C) for one dense matmul per step and R's down columns [d, n_R'], both split
@@ -55,11 +55,12 @@ def gate_partition_state(w, retained, candidates, kernel: str = "xla") -> dict:
     multiple of the split: n_R' ≥ n_R), and C's up rows and down columns as row blocks
     [n_C, d] from which a step gathers its selection (replicated, as POP's candidate down rows).
     With a Pallas ``kernel`` those two are the kernels' layouts: C's up rows as
-    `ffn_layout.OutputRows` [n_C, L, 128] and its down columns as `ffn_layout.InputRows`."""
+    `ffn_layout.OutputRows` [n_C, L, 128] and its down columns as `ffn_layout.InputRows`.
+    ``up``: C's up rows [n_C, d] when the caller has copied them already."""
     f = w.gate_up.shape[1]
     padded = pad_ids(retained)
     up_padded = jnp.where(padded >= 0, f + padded, -1)  # up row c of gate_up read as [2f, d] is f + c
-    up = copy_candidates(w.gate_up[1], candidates, axis=0)  # [n_C, d]
+    up = copy_candidates(w.gate_up[1], candidates, axis=0) if up is None else up  # [n_C, d]
     return {
         "retained_idx": retained,  # [n_R]
         "candidate_idx": candidates,  # [n_C]

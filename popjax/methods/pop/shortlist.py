@@ -63,14 +63,14 @@ class ShortlistScorer(CandidateScorer):
         return True
 
     def prefill_state(self, plan, w, x, valid, retained, candidates):
-        state = gate_partition_state(w, retained, candidates, plan.kernel)
-        up_rows = copy_candidates(w.gate_up[1], candidates, axis=0) if plan.kernel != "xla" and self.prior != "none" else None
+        up_rows = copy_candidates(w.gate_up[1], candidates, axis=0)  # [n_C, d]: the state's (or its kernel layout's) and the prior's
+        state = gate_partition_state(w, retained, candidates, plan.kernel, up=up_rows)
         if self.prior == "up":  # one more prefill matmul: the candidates' up rows
-            up = dot("btd,nd->btn", x, state["up_candidates"] if up_rows is None else up_rows)
+            up = dot("btd,nd->btn", x, up_rows)
             state["shortlist_weight"] = prefill_importance(up, valid, state["down_norm_candidates"])
         elif self.prior == "gated_up":
             gate = gate_activation(w)(dot("btd,nd->btn", x, take_channels(w.gate_up[0], candidates, axis=0)))
-            up = dot("btd,nd->btn", x, state["up_candidates"] if up_rows is None else up_rows)
+            up = dot("btd,nd->btn", x, up_rows)
             importance = prefill_importance(gate * up, valid, state["down_norm_candidates"])
             gate_norm = prefill_importance(gate, valid, jnp.ones_like(state["down_norm_candidates"], jnp.float32))
             state["shortlist_weight"] = jnp.where(gate_norm > 0, importance / jnp.where(gate_norm > 0, gate_norm, 1.0), 0.0)
