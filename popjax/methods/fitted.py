@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
+
+
+def array_digest(a) -> str:
+    """A fingerprint of a fitted array's float32 values (a calibration cache key, the memo name
+    of a weight copy derived from it)."""
+    return hashlib.sha256(np.ascontiguousarray(a, np.float32).tobytes()).hexdigest()
 
 
 class FittedArrays:

@@ -63,8 +63,7 @@ def input_rows_data(model, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, Inpu
         def one(m):
             if not stacked:
                 stacked.append(m.ffn_stack())
-            rows = input_major_rows(stacked[0], (part,))[part]
-            return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
+            return replicated(m, input_major_rows(stacked[0], (part,))[part])
 
         return model.derived(f"input_major_{part}", one)
 
@@ -78,10 +77,23 @@ def up_down_rows_data(model) -> ChannelRows:
     def build(m):
         stack = m.ffn_stack()
         scales = (None, None) if stack.gate_up_scale is None else (stack.gate_up_scale[:, 1], stack.down_scale)
-        rows = stacked_up_down_layout(stack.gate_up[:, 1], stack.down, *scales)
-        return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
+        return replicated(m, stacked_up_down_layout(stack.gate_up[:, 1], stack.down, *scales))
 
     return model.derived("up_down_rows", build)
+
+
+def replicated(model, rows):
+    """A copy of weights in a kernel's layout as every device holds it: on ``model``'s mesh
+    replicated (placed once, so that no step gathers it), else as it is."""
+    return rows if model.mesh is None else jax.device_put(rows, NamedSharding(model.mesh, PartitionSpec()))
+
+
+def float_gate_up(stack: FFNStack) -> jax.Array:
+    """Every layer's gate/up as float32 [L, 2f, d] (gate rows, then up rows), int8 dequantized:
+    what a copy that folds a rotation or a basis into the weights starts from."""
+    L, _, f, d = stack.gate_up.shape
+    w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
+    return w.reshape(L, 2 * f, d)
 
 
 def kernel_gated_ffn(w, x: jax.Array, gate: jax.Array, keep: jax.Array, *, expected_active: int, kernel: str) -> jax.Array:

@@ -41,13 +41,11 @@ also ``"rows"``: the folded gate/up copy and TEAL's down copy.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import kernels
 from ..calibration import Statistic, calibrate
@@ -57,9 +55,9 @@ from ..loaded import unrolled
 from ..models.config import ModelConfig
 from ..models.moe import table_row
 from .base import DensePlan, block_rows, MethodError, Plan, activations, check_choice, down_proj, gate_activation, resolve_corpus
-from .fitted import FittedArrays
+from .fitted import FittedArrays, array_digest
 from .activation_sparsity import DensePrefillPlan, SparsityBudget, top_k_mask
-from .input_rows import input_rows_data, kernel_activations, kernel_down, kernel_weights_read, resolve_kernel
+from .input_rows import float_gate_up, input_rows_data, kernel_activations, kernel_down, kernel_weights_read, replicated, resolve_kernel
 
 DAMPING = 0.01  # of the mean diagonal, added before eigh (the official code's)
 
@@ -211,14 +209,9 @@ class LaRoSa(SparsityBudget):
         data = {"larosa": {"rotation": jnp.asarray(self.rotations.q)}}
         if plan.kernel == "xla":
             return data
-        digest = hashlib.sha256(np.ascontiguousarray(self.rotations.q).tobytes()).hexdigest()
-
-        def build(m):
-            rows = folded_rows(m.ffn_stack(), data["larosa"]["rotation"])
-            return rows if m.mesh is None else jax.device_put(rows, NamedSharding(m.mesh, PartitionSpec()))
-
-        down = input_rows_data(model, ("down",))["down"]
-        return {**data, "rows": {"gate_up": model.derived(f"larosa_folded/{digest}", build), "down": down}}
+        folded = model.derived(f"larosa_folded/{array_digest(self.rotations.q)}",
+                               lambda m: replicated(m, folded_rows(m.ffn_stack(), data["larosa"]["rotation"])))
+        return {**data, "rows": {"gate_up": folded, "down": input_rows_data(model, ("down",))["down"]}}
 
 
 def folded_rows(stack, q: jax.Array) -> InputRows:
@@ -226,9 +219,7 @@ def folded_rows(stack, q: jax.Array) -> InputRows:
     `ffn_layout.stacked_input_layout` (values [L, d, L_gu, 128]: row e multiplies rotated entry
     e): from the stacked FFN weights and rotations q [L, d, d]; float weights keep their dtype,
     int8 weights are dequantized, folded and re-quantized per output channel."""
-    L, _, f, d = stack.gate_up.shape
-    w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
-    folded = jnp.einsum("lnd,lde->lne", w.reshape(L, 2 * f, d), q)
+    folded = jnp.einsum("lnd,lde->lne", float_gate_up(stack), q)
     if stack.gate_up_scale is None:
         return stacked_input_layout(folded.astype(stack.gate_up.dtype))
     values, scale = row_quantize(folded)

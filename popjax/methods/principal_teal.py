@@ -38,7 +38,6 @@ Pallas ``kernel`` (TPU, GPU) also the folded (W P)ᵀ and TEAL's input-major cop
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, ClassVar
 
 import jax
@@ -53,22 +52,15 @@ from ..models.moe import table_row
 from .activation_sparsity import DensePrefillPlan, SparsityBudget
 from .base import (DensePlan, block_rows, check_choice, MethodError, Plan, activations, down_proj, gate_activation,
                    resolve_corpus)
-from .fitted import FittedArrays
-from .input_rows import gated, input_rows_data, kernel_down, kernel_gate_up, kernel_weights_read, resolve_kernel
+from .fitted import FittedArrays, array_digest
+from .input_rows import float_gate_up, gated, input_rows_data, kernel_down, kernel_gate_up, kernel_weights_read, resolve_kernel
 from .larosa import LaRoSa
 from .teal import block_quantiles, threshold_keep
 
 
-def basis_digest(basis) -> str:
-    """A fingerprint of calibrated bases (the calibration cache's key, the fold's memo name)."""
-    return hashlib.sha256(np.ascontiguousarray(basis, np.float32).tobytes()).hexdigest()
-
-
 def folded_principal(stack, basis: jax.Array) -> jax.Array:
     """(W_gu P)ᵀ per layer [L, r, 2f] from the (dequantized) stacked FFN weights and bases [L, d, r]."""
-    L, _, f, d = stack.gate_up.shape
-    w = stack.gate_up.astype(jnp.float32) * (1.0 if stack.gate_up_scale is None else stack.gate_up_scale)
-    return jnp.einsum("lnd,ldr->lrn", w.reshape(L, 2 * f, d), basis)
+    return jnp.einsum("lnd,ldr->lrn", float_gate_up(stack), basis)
 
 
 def principal_split(x: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -90,7 +82,7 @@ class ResidualHistograms(Statistic):
     blocks: int = 0
 
     def key(self) -> dict[str, Any]:
-        fields = f"basis {list(np.shape(self.basis))} {basis_digest(self.basis)}"
+        fields = f"basis {list(np.shape(self.basis))} {array_digest(self.basis)}"
         return {"name": self.name, "version": self.version, "fields": fields}
 
     def collect(self, w, x, valid, h):
@@ -269,6 +261,6 @@ class PrincipalTEAL(SparsityBudget):
         if plan.kernel == "xla":
             return data
         basis = data["principal_teal"]["basis"]  # folded once per model and fit, not at every call
-        folded = model.derived(f"principal_teal_folded/{basis_digest(fit.basis)}",
+        folded = model.derived(f"principal_teal_folded/{array_digest(fit.basis)}",
                                lambda m: folded_principal(m.ffn_stack(), basis))
         return {"principal_teal": {**data["principal_teal"], "folded": folded}, "rows": input_rows_data(model)}
