@@ -9,14 +9,17 @@ fake CPU devices (`memory_plan._compile`, shared). XLA:TPU compiles them; per pr
 gives the compiler's per-device memory (arguments = weights + KV cache + method state, outputs,
 temporaries, generated code) against the chip's HBM and whether it fits, and the compile time.
 Per decode step: FLOPs and bytes accessed per device from the compiler's cost analysis, the
-analytic ideal bytes (`popjax.analysis.flops.bytes_per_step`) beside them, and an **estimate** of
-decode tokens/s = batch / (bytes per step / HBM bandwidth per device): a roofline bound that
-assumes the step is bound by HBM traffic, not a measurement. Every method is compared with
-dense (compiled too).
+bytes the compiled step moves to and from HBM (`popjax.analysis.hbm_traffic`: counted from the
+optimized HLO's memory spaces, leaving out the VMEM staging the cost analysis counts on top),
+the analytic ideal bytes (`popjax.analysis.flops.bytes_per_step`) beside them, and **estimates**
+of decode tokens/s = batch / (bytes per step / HBM bandwidth per device), one from each count:
+roofline bounds that assume the step is bound by HBM traffic, not measurements. Every method is
+compared with dense (compiled too).
 
 With ``scan_layers`` the memory figures are the scanned programs'; XLA counts a loop body once,
 so the decode step's cost is extrapolated from unrolled 1- and 2-layer compiles, as `popjax plan`
-does. Offline methods compile with placeholder fits of the right shapes
+does, except its HBM bytes, counted on the scanned program itself (the count walks every trip of
+the layer loop). Offline methods compile with placeholder fits of the right shapes
 (`popjax.analysis.shape_fitted`). JAX stays on its CPU backend throughout.
 """
 
@@ -41,6 +44,7 @@ from ..methods import Method, method_label, sweep
 from ..models.config import ModelConfig
 from ..models.scan import check_scannable
 from .flops import bytes_per_step
+from .hbm_traffic import hbm_traffic
 from .memory_plan import _compile, _cost, _shard_bytes, _with_layers, resolve_config
 from .shape_fitted import abstract_data, shape_fitted
 from .topologies import Topology, resolve_topology, topology_mesh
@@ -48,6 +52,8 @@ from .topologies import Topology, resolve_topology, topology_mesh
 log = logging.getLogger(__name__)
 PROGRAMS = {"prefill": "start", "decode_step": "step", "decode_loop": "loop"}  # report name -> _compile's key
 ESTIMATE = "estimate: batch / (bytes accessed per step / HBM bandwidth), HBM-bound roofline, not a measurement"
+HBM_ESTIMATE = ("estimate: batch / (HBM bytes per step / HBM bandwidth), the HBM bytes counted from the optimized "
+                "HLO's memory spaces (VMEM staging left out), HBM-bound roofline, not a measurement")
 XLA_ESTIMATE = "estimate: batch / XLA:TPU's own optimal_seconds of the step (its cost model), not a measurement"
 
 
@@ -77,13 +83,15 @@ def program_memory(compiled, hbm: int) -> dict[str, Any]:
 
 
 def step_cost(compiled) -> dict[str, float | None]:
-    """FLOPs and bytes accessed of a compiled program (`memory_plan._cost`) and, where the
-    compiler gives a usable one, its own estimate of the optimal run time in seconds (XLA:TPU's
+    """FLOPs and bytes accessed of a compiled program (`memory_plan._cost`), the bytes it moves
+    to and from HBM (`hbm_traffic`, from its optimized HLO) and, where the compiler gives a
+    usable one, its own estimate of the optimal run time in seconds (XLA:TPU's
     ``optimal_seconds``: plausible on small programs, negative on the 8B's steps, then None)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     seconds = float((cost or {}).get("optimal_seconds", 0.0))
-    return {**_cost(compiled), "optimal_seconds": seconds if seconds > 0 else None}
+    return {**_cost(compiled), "hbm_bytes": hbm_traffic(compiled.as_text())["bytes"],
+            "optimal_seconds": seconds if seconds > 0 else None}
 
 
 def _extrapolated_step_cost(cfg: ModelConfig, mesh, method: Method, batch: int, prompt: int, capacity: int,
@@ -153,8 +161,10 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                            prefill=prefill)
             cost = step_cost(out["step"])
             if scan_layers:
-                cost = dict(_extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype),
-                            scan_body_flops=cost["flops"], scan_body_bytes_accessed=cost["bytes_accessed"])
+                # the HBM count walks the layer loop (all its trips): the scanned program's own, the unrolled one beside it
+                unrolled = _extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype)
+                cost = dict(unrolled, scan_body_flops=cost["flops"], scan_body_bytes_accessed=cost["bytes_accessed"],
+                            hbm_bytes=cost["hbm_bytes"], unrolled_hbm_bytes=unrolled["hbm_bytes"])
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -181,6 +191,7 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
         "arguments": arguments, "held": held,
         "decode_step": {**cost, "ideal_bytes_per_device": ideal["per_device"], "ideal_bytes_whole_model": ideal["whole_model"],
                         "estimated_tokens_per_s": batch / seconds if seconds else math.inf,
+                        "hbm_estimated_tokens_per_s": batch * topology.bandwidth_per_device / cost["hbm_bytes"],
                         "xla_estimated_tokens_per_s": batch / cost["optimal_seconds"] if cost["optimal_seconds"] else None,
                         "ideal_tokens_per_s": batch * topology.bandwidth_per_device / ideal["per_device"]},
         "cache_slots": slots,
@@ -248,7 +259,7 @@ def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Se
                   "source": str(model) if not isinstance(model, ModelConfig) else cfg.model_type},
         "weights": weights, "dtype": dtype, "batch": batch, "context": context, "prompt": prompt,
         "prompt_bucket": prompt_bucket, "capacity": capacity, "scan_layers": scan_layers,
-        "estimate_note": ESTIMATE, "xla_estimate_note": XLA_ESTIMATE, "jax_backend": jax.default_backend(), "records": records,
+        "estimate_note": ESTIMATE, "hbm_estimate_note": HBM_ESTIMATE, "xla_estimate_note": XLA_ESTIMATE, "jax_backend": jax.default_backend(), "records": records,
     }
     if require_fit:
         check_fit(report)
@@ -287,6 +298,8 @@ def _against_dense(records: list[dict[str, Any]]) -> None:
             "bytes_accessed": step["bytes_accessed"] / dense["bytes_accessed"],
             "ideal_bytes": step["ideal_bytes_per_device"] / dense["ideal_bytes_per_device"],
             "estimated_speedup": step["estimated_tokens_per_s"] / dense["estimated_tokens_per_s"],
+            "hbm_bytes": step["hbm_bytes"] / dense["hbm_bytes"],
+            "hbm_estimated_speedup": step["hbm_estimated_tokens_per_s"] / dense["hbm_estimated_tokens_per_s"],
             "ideal_speedup": step["ideal_tokens_per_s"] / dense["ideal_tokens_per_s"],
             "xla_estimated_speedup": (step["xla_estimated_tokens_per_s"] / dense["xla_estimated_tokens_per_s"]
                                       if step["xla_estimated_tokens_per_s"] and dense["xla_estimated_tokens_per_s"] else None),

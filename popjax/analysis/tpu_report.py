@@ -1,8 +1,9 @@
 """A `tpu_compile` report as a terminal table and as a plot of estimated decode tokens/s against
 the pruning ratio, one line per method (dense a horizontal reference).
 
-Every tokens/s figure here is the roofline *estimate* of `popjax.analysis.tpu_compile`
-(bytes accessed per step over HBM bandwidth), labelled so in the table and on the plot.
+Every tokens/s figure here is a roofline *estimate* of `popjax.analysis.tpu_compile` (bytes per
+step over HBM bandwidth: the cost analysis's bytes accessed, and the HBM bytes counted from the
+optimized HLO, which the plot shows), labelled so in the table and on the plot.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"per device: HBM {t['hbm_per_device'] / GiB:.2f} GiB, {t['hbm_bandwidth_per_device'] / 1e9:.0f} GB/s; "
         f"memory and bytes from XLA:TPU (GiB); tok/s is an {report['estimate_note']}",
         f"{'method':<24}{'ratio':>6}{'weights':>8}{'KV':>8}{'state':>8}{'data':>8}{'decode':>8}{'prefill':>8}  fits"
-        f"{'step GiB':>9}{'ideal':>8}{'est tok/s':>10}{'vs dense':>9}{'ideal x':>8}{'XLA tok/s':>10}{'XLA x':>7}"
+        f"{'step GiB':>9}{'ideal':>8}{'est tok/s':>10}{'vs dense':>9}{'ideal x':>8}{'HBM GiB':>8}{'HBM x':>7}"
+        f"{'XLA tok/s':>10}{'XLA x':>7}"
         f"{'compile s':>10}",
     ]
     for r in report["records"]:
@@ -51,6 +53,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{step['bytes_accessed'] / GiB:9.3f}{step['ideal_bytes_per_device'] / GiB:8.3f}"
             f"{step['estimated_tokens_per_s']:10.1f}"
             + (f"{vs['estimated_speedup']:8.2f}x{vs['ideal_speedup']:7.2f}x" if vs else f"{'':>9}{'':>8}")
+            + f"{step['hbm_bytes'] / GiB:8.3f}" + (f"{vs['hbm_estimated_speedup']:6.2f}x" if vs else f"{'':>7}")
             + (f"{step['xla_estimated_tokens_per_s']:10.1f}" if step.get("xla_estimated_tokens_per_s") else f"{'n/a':>10}")
             + (f"{vs['xla_estimated_speedup']:6.2f}x" if vs and vs.get("xla_estimated_speedup") else f"{'':>7}")
             + f"{sum(p['compile_seconds'] for p in progs.values()):10.1f}"
@@ -62,7 +65,9 @@ def format_report(report: dict[str, Any]) -> str:
                  + (", unrolled 1- and 2-layer steps extrapolated" if report["scan_layers"] else "")
                  + "; it counts weights staged into VMEM on top of HBM traffic: docs/tpu.md); ideal: the analytic "
                  "bytes; vs dense / ideal x: estimated speed-up over dense, compiler / ideal "
-                 f"bytes; XLA tok/s: an {report['xla_estimate_note']}")
+                 "bytes; HBM GiB: the bytes the compiled step moves to and from HBM (its optimized HLO's memory spaces); "
+                 f"HBM x: the speed-up over dense estimated from them ({report['hbm_estimate_note']}); "
+                 f"XLA tok/s: an {report['xla_estimate_note']}")
     missing = [f"{r['method']}: {name} needs {p['peak'] / GiB:.2f} GiB" for r in report["records"]
                for name, p in r["programs"].items() if not p["fits"]]
     missing += [f"{r['method']}: weights, KV, state and data held {r['held'] / GiB:.2f} GiB" for r in report["records"]
@@ -74,7 +79,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> Path:
-    """Estimated decode tokens/s against the ratio, one line per method name (dense dashed) ->
+    """Estimated decode tokens/s (from the step's HBM bytes) against the ratio, one line per method name (dense dashed) ->
     the PNG's path. Needs matplotlib (the eval extra)."""
     try:
         import matplotlib  # optional: the plot needs the eval extra
@@ -87,7 +92,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     for r in report["records"]:
         if "decode_step" not in r:  # did not compile (does not fit): no estimate
             continue
-        series[r["name"]].append((r["ratio"], r["decode_step"]["estimated_tokens_per_s"]))
+        series[r["name"]].append((r["ratio"], r["decode_step"]["hbm_estimated_tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
         points.sort()
@@ -99,7 +104,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_xlabel("pruning ratio (global)")
     ax.set_ylabel("decode tokens/s (estimate)")
     ax.set_title(f"{report['model']['source']} {report['dtype']}{' int8' if report['weights'] == 'int8' else ''} on "
-                 f"{t['name']}, batch {report['batch']}: XLA:TPU bytes / HBM bandwidth (estimate)", fontsize=9)
+                 f"{t['name']}, batch {report['batch']}: HBM bytes of the compiled step / HBM bandwidth (estimate)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     out = Path(path)

@@ -1,0 +1,352 @@
+"""The HBM traffic of a compiled TPU program, counted from its optimized HLO.
+
+XLA:TPU's cost analysis ("bytes accessed") counts every byte an instruction reads or writes in
+any memory: a weight it stages into VMEM before a matrix-vector product is counted when the copy
+reads it from HBM, again when the copy writes it to VMEM, and again when the dot reads it there
+(docs/tpu.md: a decode step's "bytes accessed" is 1.5-2x its weights). The optimized HLO says
+where every buffer lives: a layout's ``S(n)`` is its memory space, none (0) being HBM, 1 VMEM,
+2 and above the scalar and semaphore memories. ``hbm_traffic(hlo_text)`` walks the program's
+schedule and counts only what crosses HBM:
+
+* a fusion reads the HBM operands it uses (a parameter the fused code only slices or gathers
+  from counts the pieces it takes, one updated in place counts nothing) and writes its HBM
+  results (an in-place update writes only the update);
+* an asynchronous copy or slice (``copy-start``, ``slice-start``: XLA:TPU's staging into VMEM)
+  counts its HBM side once;
+* a Pallas kernel (``tpu_custom_call``) counts the bytes its cost estimate declares (popjax's
+  kernels declare their own DMAs and BlockSpecs, `popjax.kernels.traffic`), else its operands
+  and results;
+* a loop body counts once per trip. XLA:TPU's optimized HLO states no trip counts (and the
+  decode step's attention loop runs over the cache's filled key blocks, a count only known at
+  run time), so a loop counts the trips it takes to read whole the largest loop-carried HBM
+  buffer its body reads in slices (the whole cache, as the analytic ideal counts it; a scanned
+  model's whole weight stack), else ``loop_trips``; a conditional counts its costliest branch.
+
+The count is an **estimate** read from the compiler's output, not a measurement: it ignores
+tile padding, assumes a fusion reads each HBM operand it uses once, and knows nothing of
+caches; it is what a step would move were it bound by HBM alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Iterator
+
+_ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_HEADER = re.compile(r"^(ENTRY )?%([^\s(]+) \(")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([^\s=]+) = (.*)$")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "domain"}
+_SLICING = {"slice", "dynamic-slice", "gather"}
+# custom calls that move no data: an allocation, a concatenation by buffer placement, an assertion on indices
+_FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    """One array leaf of an instruction's type: element type, dims, memory space (0 = HBM)."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    space: int
+
+    @property
+    def bytes(self) -> float:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n * _ITEM_BYTES.get(self.dtype, 1 if self.dtype.startswith("f8") else 0)
+
+    @property
+    def in_hbm(self) -> bool:
+        return self.space == 0
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    opcode: str
+    leaves: list[Array]
+    operands: list[str]
+    attrs: str
+    root: bool
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    instructions: dict[str, Instruction]
+
+    @property
+    def root(self) -> Instruction:
+        return next(i for i in self.instructions.values() if i.root)
+
+    def parameter(self, index: int) -> Instruction:
+        return next(i for i in self.instructions.values() if i.opcode == "parameter" and i.attrs.startswith(f"{index})"))
+
+    def users(self, name: str) -> Iterator[Instruction]:
+        return (i for i in self.instructions.values() if name in i.operands)
+
+
+def _leaves(type_text: str) -> list[Array]:
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(type_text):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+    return out
+
+
+def _balanced(text: str, start: int) -> int:
+    """The index just past the parenthesis group that opens at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError(f"unbalanced parentheses in HLO: {text[start:start + 80]!r}")
+
+
+def _instruction(line: str) -> Instruction | None:
+    m = _INSTRUCTION.match(line)
+    if m is None:
+        return None
+    root, name, rest = m.groups()
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
+    type_text, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([a-z][a-z0-9-]*)\(", rest)
+    if op is None:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    operand_text = rest[op.end():close - 1]
+    attrs = rest[close:].lstrip(", ")
+    if op.group(1) == "parameter":
+        attrs = operand_text + ")" + attrs  # "N)…": the parameter's index first
+    return Instruction(name, op.group(1), _leaves(type_text), re.findall(r"%([^\s,()]+)", operand_text), attrs,
+                       root is not None)
+
+
+def _statements(text: str) -> Iterator[str]:
+    """The module's lines, an instruction whose backend config spans several lines (a Pallas
+    call's pretty-printed JSON) joined into one: a line continues while its brackets are open."""
+    pending, depth = "", 0
+    for line in text.splitlines():
+        if not pending and (_HEADER.match(line) or line.startswith("}")):
+            yield line
+            continue
+        pending = f"{pending} {line.strip()}" if pending else line
+        depth += _depth_change(line)
+        if depth <= 0:
+            yield pending
+            pending, depth = "", 0
+    if pending:
+        yield pending
+
+
+def _depth_change(line: str) -> int:
+    """Opened minus closed brackets of ``line``, outside string literals."""
+    change, quoted, escaped = 0, False, False
+    for ch in line:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif not quoted:
+            change += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+    return change
+
+
+def parse_module(text: str) -> tuple[dict[str, Computation], str]:
+    """An optimized HLO module's computations by name, and the entry computation's name."""
+    computations: dict[str, Computation] = {}
+    entry, current = None, None
+    for line in _statements(text):
+        header = _HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            current = Computation(header.group(2), {})
+            computations[current.name] = current
+            if header.group(1):
+                entry = current.name
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            ins = _instruction(line)
+            if ins is not None:
+                current.instructions[ins.name] = ins
+    if entry is None:
+        raise ValueError("the HLO text holds no ENTRY computation")
+    return computations, entry
+
+
+def _called(attrs: str, key: str) -> list[str]:
+    m = re.search(key + r"=\{?([^}]*?)\}?(?:, [a-z_]+=|$)", attrs)
+    return re.findall(r"%([^\s,{}]+)", m.group(1)) if m else []
+
+
+def _declared_bytes(attrs: str) -> float | None:
+    """A Pallas kernel's declared ``bytes_accessed`` (its cost estimate in the backend config)."""
+    m = re.search(r'bytes_accessed\\?"?\s*[:=]\s*\\?"?([0-9.e+]+)', attrs)
+    return float(m.group(1)) if m else None
+
+
+class _Counter:
+    def __init__(self, computations: dict[str, Computation], loop_trips: int):
+        self.computations, self.loop_trips = computations, loop_trips
+        self.by_opcode: dict[str, float] = {}
+        self.unknown_loops = 0
+
+    def computation(self, name: str, times: float) -> float:
+        comp = self.computations[name]
+        return sum(self.instruction(comp, ins, times) for ins in comp.instructions.values())
+
+    def add(self, opcode: str, n: float, times: float) -> float:
+        self.by_opcode[opcode] = self.by_opcode.get(opcode, 0.0) + n * times
+        return n * times
+
+    def instruction(self, comp: Computation, ins: Instruction, times: float) -> float:
+        op = ins.opcode
+        if op in _FREE or op.endswith("-done"):
+            return 0.0
+        if op == "while":
+            body = _called(ins.attrs, "body")[0]
+            trips = _buffer_trips(self.computations, self.computations[body])
+            if trips is None:
+                self.unknown_loops += 1
+            return self.computation(body, times * (trips or self.loop_trips))
+        if op == "conditional":
+            branches = _called(ins.attrs, "branch_computations") or (
+                _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+            costs = []
+            for branch in branches:  # the costliest branch, each counted without recording it first
+                probe = _Counter(self.computations, self.loop_trips)
+                costs.append((probe.computation(branch, times), probe))
+            cost, probe = max(costs, key=lambda c: c[0]) if costs else (0.0, None)
+            if probe is not None:
+                for k, v in probe.by_opcode.items():
+                    self.by_opcode[k] = self.by_opcode.get(k, 0.0) + v
+                self.unknown_loops += probe.unknown_loops
+            return cost
+        if op == "call":
+            return self.computation(_called(ins.attrs, "to_apply")[0], times)
+        operands = [comp.instructions[o] for o in ins.operands if o in comp.instructions]
+        if op == "fusion":
+            return self.add("fusion", self.fusion(ins, operands), times)
+        if op == "custom-call" and any(f'custom_call_target="{target}"' in ins.attrs for target in _FREE_CALLS):
+            return 0.0
+        if _is_pallas(ins):
+            declared = _declared_bytes(ins.attrs)
+            if declared is not None:
+                return self.add("pallas", declared, times)
+        if op in _SLICING or op == "slice-start":
+            out = [leaf for leaf in ins.leaves if leaf.space < 2][-1]  # slice-start: (source, result, context)
+            read = out.bytes if operands and _first_leaf(operands[0]).in_hbm else 0.0
+            return self.add(op, read + (out.bytes if out.in_hbm else 0.0), times)
+        if op == "dynamic-update-slice":
+            update = _first_leaf(operands[1]).bytes
+            return self.add(op, (update if _first_leaf(operands[1]).in_hbm else 0.0)
+                            + (update if ins.leaves[0].in_hbm else 0.0), times)
+        read = sum(leaf.bytes for o in operands for leaf in o.leaves if leaf.in_hbm)
+        return self.add(op, read + sum(leaf.bytes for leaf in _results(ins, operands) if leaf.in_hbm), times)
+
+    def fusion(self, ins: Instruction, operands: list[Instruction]) -> float:
+        fused = self.computations[_called(ins.attrs, "calls")[0]]
+        root = fused.root
+        root_parts = [fused.instructions[o] for o in root.operands] if root.opcode == "tuple" else [root]
+        in_place = {p.name for p in root_parts if p.opcode == "dynamic-update-slice"}
+        read = 0.0
+        for index, operand in enumerate(operands):
+            if not _first_leaf(operand).in_hbm:
+                continue
+            param = fused.parameter(index).name
+            read += _used_bytes(fused, param, _first_leaf(operand).bytes, in_place)
+        # a Pallas call fused in (a batch loop around it, XLA:TPU's kCustom fusion): the bytes it declares
+        read += sum(_declared_bytes(i.attrs) or 0.0 for i in fused.instructions.values() if _is_pallas(i))
+        written = 0.0
+        for part, leaf in zip(root_parts, ins.leaves if len(root_parts) > 1 else ins.leaves[:1]):
+            if leaf.in_hbm:
+                written += (fused.instructions[part.operands[1]].leaves[0].bytes
+                            if part.opcode == "dynamic-update-slice" else leaf.bytes)
+        return read + written
+
+
+def _is_pallas(ins: Instruction) -> bool:
+    return ins.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in ins.attrs
+
+
+def _first_leaf(ins: Instruction) -> Array:
+    return ins.leaves[0] if ins.leaves else Array("token", (), 0)
+
+
+def _results(ins: Instruction, operands: list[Instruction]) -> list[Array]:
+    """What an instruction writes: its result leaves, less (for an asynchronous ``*-start``)
+    the operand aliases and the scalar context its tuple carries."""
+    if not ins.opcode.endswith("-start"):
+        return ins.leaves
+    leaves = [leaf for leaf in ins.leaves if leaf.space < 2]
+    for operand in operands:
+        for alias in operand.leaves:
+            match = next((leaf for leaf in leaves if (leaf.dtype, leaf.dims, leaf.space) == (alias.dtype, alias.dims, alias.space)), None)
+            if match is not None:
+                leaves.remove(match)
+    return leaves
+
+
+def _used_bytes(fused: Computation, param: str, whole: float, in_place: set[str]) -> float:
+    """The bytes a fusion reads of its parameter ``param`` (``whole`` bytes): the pieces its
+    users slice or gather when they all do, nothing when it is only updated in place, else whole."""
+    names, used = [param], 0.0
+    while names:
+        name = names.pop()
+        for user in fused.users(name):
+            if user.opcode == "bitcast":
+                names.append(user.name)
+            elif user.opcode in _SLICING and user.operands[0] == name:
+                used += user.leaves[0].bytes
+            elif user.opcode == "dynamic-update-slice" and user.operands[0] == name and user.name in in_place:
+                continue
+            elif _is_pallas(user) and _declared_bytes(user.attrs) is not None:
+                continue  # a Pallas call inside the fusion: its declared bytes count instead (`_Counter.fusion`)
+            else:
+                return whole
+    return min(used, whole)
+
+
+def _buffer_trips(computations: dict[str, Computation], body: Computation) -> int | None:
+    """The trips a loop with a dynamic trip count takes to read whole the largest loop-carried
+    HBM buffer its body reads in slices (decode attention: every key block of the cache, as the
+    analytic ideal counts it); None when its body slices no such buffer."""
+    trips = None
+    for ins in body.instructions.values():
+        if ins.opcode != "fusion":
+            continue
+        fused = computations[_called(ins.attrs, "calls")[0]]
+        for index, name in enumerate(ins.operands):
+            operand = body.instructions.get(name)
+            if operand is None or operand.opcode != "get-tuple-element" or not _first_leaf(operand).in_hbm:
+                continue
+            whole = _first_leaf(operand).bytes
+            used = _used_bytes(fused, fused.parameter(index).name, whole, set())
+            if 0 < used < whole:
+                trips = max(trips or 0, round(whole / used))
+    return trips
+
+
+def hbm_traffic(hlo_text: str, *, loop_trips: int = 1) -> dict:
+    """The HBM bytes one run of a compiled program moves (module docstring), from
+    ``compiled.as_text()``: ``{"bytes": total, "by_opcode": {...}, "unknown_trip_loops": n}``."""
+    computations, entry = parse_module(hlo_text)
+    counter = _Counter(computations, loop_trips)
+    total = counter.computation(entry, 1.0)
+    return {"bytes": total, "by_opcode": dict(sorted(counter.by_opcode.items(), key=lambda kv: -kv[1])),
+            "unknown_trip_loops": counter.unknown_loops, "loop_trips": loop_trips}
+
+
+if __name__ == "__main__":  # python -m popjax.analysis.hbm_traffic FILE.hlo.txt [LOOP_TRIPS]
+    import sys
+
+    print(json.dumps(hbm_traffic(open(sys.argv[1]).read(), loop_trips=int(sys.argv[2]) if len(sys.argv) > 2 else 1), indent=1))
