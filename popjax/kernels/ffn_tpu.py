@@ -77,6 +77,17 @@ def vmem_buffer_bytes(shape: tuple[int, ...], dtype) -> int:
     return lead * -(-rows // tile) * tile * -(-shape[-1] // 128) * 128 * item
 
 
+def in_hbm(weights: jax.Array, interpret: bool) -> jax.Array:
+    """``weights`` pinned to HBM for a kernel that reads parts of them (its DMAs, or a BlockSpec
+    pipeline over selected blocks). Left to choose, XLA:TPU stages an operand that fits into VMEM
+    before the call: a decode step then reads the whole copy from HBM, which is what the kernel is
+    there to avoid (POP's candidate rows: docs/kernels.md, "HBM bytes"). Interpret mode has no
+    memory spaces, and an eager call's operand is an argument already in HBM."""
+    if interpret or not isinstance(weights, jax.core.Tracer):
+        return weights
+    return pltpu.with_memory_space_constraint(weights, pltpu.HBM)
+
+
 def vmem_limit(estimate: int, chip: str, what: str) -> int:
     """The vmem_limit_bytes for a kernel needing ``estimate``: the chip's default scoped VMEM or
     the estimate plus headroom; ValueError naming ``what`` when it exceeds the chip's VMEM."""
@@ -186,7 +197,7 @@ def block_ffn(
 
     fixed = lambda i, ids, keep: (0, 0)  # noqa: E731
     in_specs = [pl.BlockSpec((batch, d), fixed), pl.BlockSpec((None, 3, b, d), lambda i, ids, keep: (ids[i], 0, 0, 0))]
-    args = [x, slab.values]
+    args = [x, in_hbm(slab.values, interpret)]
     if masked:
         in_specs.append(pl.BlockSpec((None, batch, 1), lambda i, ids, keep: (i, 0, 0)))
         args.append(sel.mask[:, :, None])
@@ -345,7 +356,7 @@ def gather_ffn(
         in_specs += [pl.BlockSpec((None, k, chunk), per_step), pl.BlockSpec((1, width), fixed)]
         args += [scales.reshape(k, steps, chunk).transpose(1, 0, 2), down_scale]
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    args.append(values)
+    args.append(in_hbm(values, interpret))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(steps,),

@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, check_values, input_stack, masked_selection
 from .selection import counted_blocks, select_channels
 from .traffic import block_matvec_bytes, gather_matvec_bytes, gather_row_dots_bytes
-from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, vmem_buffer_bytes, vmem_limit
+from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, in_hbm, vmem_buffer_bytes, vmem_limit
 
 
 def matvec_vmem_bytes(batch: int, chunk: int, n: int, weight_dtype, x_dtype) -> int:
@@ -164,7 +164,7 @@ def _rows_matvec(xs, ids, keep, values, scale, *, out_features, rows_read, chunk
         in_specs.append(pl.BlockSpec((1, width), lambda i, ids, keep: (0, 0)))
         args.append(scale)
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    args.append(values)
+    args.append(in_hbm(values, interpret))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(steps,),
@@ -261,7 +261,7 @@ def block_matvec(
         in_specs.append(pl.BlockSpec((1, width), lambda i, ids: (0, 0)))
         args.append(scale)
     in_specs.append(pl.BlockSpec((block, lines, 128), lambda i, ids: (ids[i], 0, 0)))
-    args.append(values)
+    args.append(in_hbm(values, interpret))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(steps,),
@@ -361,5 +361,5 @@ def gather_row_dots(
         cost_estimate=pl.CostEstimate(flops=2 * batch * width * m, transcendentals=0, bytes_accessed=traffic),
         interpret=interpret,
         name="gather_row_dots",
-    )(*scalars, jnp.pad(x, ((0, 0), (0, width - x.shape[1]))), rows.values)
+    )(*scalars, jnp.pad(x, ((0, 0), (0, width - x.shape[1]))), in_hbm(rows.values, interpret))
     return u.transpose(1, 0, 2).reshape(batch, steps * chunk)[:, :m]
