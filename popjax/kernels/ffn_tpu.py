@@ -81,11 +81,25 @@ def in_hbm(weights: jax.Array, interpret: bool) -> jax.Array:
     """``weights`` pinned to HBM for a kernel that reads parts of them (its DMAs, or a BlockSpec
     pipeline over selected blocks). Left to choose, XLA:TPU stages an operand that fits into VMEM
     before the call: a decode step then reads the whole copy from HBM, which is what the kernel is
-    there to avoid (POP's candidate rows: docs/kernels.md, "HBM bytes"). Interpret mode has no
-    memory spaces, and an eager call's operand is an argument already in HBM."""
+    there to avoid (POP's candidate rows: docs/kernels.md, "The whole decode step on a TPU").
+    Interpret mode has no memory spaces, an eager call's operand is an argument already in HBM,
+    and under vmap the weights stay unpinned (`_pinned_to_hbm_batched`)."""
     if interpret or not isinstance(weights, jax.core.Tracer):
         return weights
+    return _pinned_to_hbm(weights)
+
+
+@jax.custom_batching.custom_vmap
+def _pinned_to_hbm(weights):
     return pltpu.with_memory_space_constraint(weights, pltpu.HBM)
+
+
+@_pinned_to_hbm.def_vmap
+def _pinned_to_hbm_batched(axis_size, in_batched, weights):
+    # Under vmap (a per-sequence method at batch > 1) the weights stay unpinned: JAX has no batching
+    # rule for the constraint, and the batched pallas_call slices its operands per row, which an
+    # operand constrained to HBM does not allow. XLA may then stage a small copy into VMEM again.
+    return weights, in_batched[0]
 
 
 def vmem_limit(estimate: int, chip: str, what: str) -> int:
