@@ -18,8 +18,8 @@ compared with dense (compiled too).
 
 With ``scan_layers`` the memory figures are the scanned programs'; XLA counts a loop body once,
 so the decode step's cost is extrapolated from unrolled 1- and 2-layer compiles, as `popjax plan`
-does; the scanned program's own HBM count (which walks every trip of the layer loop) is reported
-beside it as ``scanned_hbm_bytes``. Offline methods compile with placeholder fits of the right shapes
+does, except its HBM bytes: those are the scanned program's own (the count walks every trip of
+the layer loop), the unrolled extrapolation beside them (``unrolled_hbm_bytes``). Offline methods compile with placeholder fits of the right shapes
 (`popjax.analysis.shape_fitted`). JAX stays on its CPU backend throughout.
 """
 
@@ -161,11 +161,11 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                            prefill=prefill)
             cost = step_cost(out["step"])
             if scan_layers:
-                # the scanned program's own HBM count walks every trip of its layer loop; kept beside the
-                # extrapolation, not in its place: on the 8B it is far above it, for reasons not yet read (docs/tpu.md)
-                cost = dict(_extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype),
-                            scan_body_flops=cost["flops"], scan_body_bytes_accessed=cost["bytes_accessed"],
-                            scanned_hbm_bytes=cost["hbm_bytes"])
+                # the HBM count walks every trip of the layer loop: the scanned program's own (it copies
+                # loop-carried stacks per trip: docs/tpu.md), the unrolled extrapolation beside it
+                unrolled = _extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype)
+                cost = dict(unrolled, scan_body_flops=cost["flops"], scan_body_bytes_accessed=cost["bytes_accessed"],
+                            hbm_bytes=cost["hbm_bytes"], unrolled_hbm_bytes=unrolled["hbm_bytes"])
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

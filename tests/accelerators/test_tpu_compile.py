@@ -166,7 +166,7 @@ def test_every_family_compiles(family, weights, mesh, scan):
         assert step["scan_body_bytes_accessed"] < step["bytes_accessed"]
         # the scanned program's own HBM count walks its layer loop, every trip (a body counted once
         # would be about half the unrolled step's here); the loop's carried state costs it more
-        assert step["scanned_hbm_bytes"] >= step["hbm_bytes"]
+        assert step["hbm_bytes"] >= step["unrolled_hbm_bytes"]
 
 
 def test_pop_compiles_with_the_mosaic_kernel_on_one_chip(tmp_path):
