@@ -19,8 +19,9 @@ compared with dense (compiled too).
 With ``scan_layers`` the memory figures are the scanned programs'; XLA counts a loop body once,
 so the decode step's cost is extrapolated from unrolled 1- and 2-layer compiles, as `popjax plan`
 does, except its HBM bytes: those are the scanned program's own (the count walks every trip of
-the layer loop), the unrolled extrapolation beside them (``unrolled_hbm_bytes``). Offline methods compile with placeholder fits of the right shapes
-(`popjax.analysis.shape_fitted`). JAX stays on its CPU backend throughout.
+the layer loop), the unrolled extrapolation beside them (``unrolled_hbm_bytes``). Offline
+methods compile with placeholder fits of the right shapes (`popjax.analysis.shape_fitted`). JAX
+stays on its CPU backend throughout.
 """
 
 from __future__ import annotations
