@@ -82,6 +82,14 @@ def method_label(spec: str) -> str:
     return re.sub(r"\(\)$", "", re.sub(r"(, )?kernel=[\w-]+(, )?", lambda m: ", " if m.group(1) and m.group(2) else "", spec))
 
 
+def _step_name(record: dict, kernel: str) -> str:
+    """A whole-step record's row name: "dense", or the method (its kernel option left out) and
+    what its selected rows ran through (``kernel`` for a Pallas kernel, else "XLA")."""
+    if record["name"] == "dense":
+        return "dense"
+    return f"{method_label(record['method'])}, {kernel if record['kernel'] != 'xla' else 'XLA'}"
+
+
 def tpu_table(reports: list[dict], ratio: float = 0.4) -> str:
     """Llama-3.1-8B's decode step on one v6e as XLA:TPU compiles it (compile-only), per method at
     ``ratio``: the bytes the compiled step moves to and from HBM (counted from its optimized HLO)
@@ -95,9 +103,7 @@ def tpu_table(reports: list[dict], ratio: float = 0.4) -> str:
                                              if r["ratio"] == ratio and "block=" not in r["method"]]
     for r in records:
         step, vs = r["decode_step"], r["vs_dense"]
-        kernel = "Pallas kernel" if r["kernel"] != "xla" else "XLA"
-        name = "dense" if r["name"] == "dense" else f"{method_label(r['method'])}, {kernel}"
-        rows.append(f"| {name} | {step['hbm_bytes'] / 2**30:.2f} GiB | {step['hbm_estimated_tokens_per_s']:.1f} | "
+        rows.append(f"| {_step_name(r, 'Pallas kernel')} | {step['hbm_bytes'] / 2**30:.2f} GiB | {step['hbm_estimated_tokens_per_s']:.1f} | "
                     f"**{vs['hbm_estimated_speedup']:.2f}×** | {step['bytes_accessed'] / 2**30:.2f} GiB | "
                     f"{vs['estimated_speedup']:.2f}× | {vs['ideal_speedup']:.2f}× |")
     note = (f"Llama-3.1-8B, bf16, batch 1, context {reports[0]['context']}, one v6e (1638 GB/s), compiled by libtpu on a "
@@ -122,9 +128,8 @@ def whole_step_table(paths: list[str]) -> str:
         first_of_chip = i == 0 or rep["topology"]["chip"] != reports[i - 1]["topology"]["chip"] or rep["weights"] != reports[i - 1]["weights"]
         for r in rep["records"] if first_of_chip else rep["records"][1:]:
             step, vs, held = r["decode_step"], r["vs_dense"], r["arguments"]
-            name = "dense" if r["name"] == "dense" else f"{method_label(r['method'])}, {'Mosaic kernel' if r['kernel'] != 'xla' else 'XLA'}"
             copies = f" + {held['method_data'] / 2**30:.2f}" if held.get("method_data", 0) >= 0.005 * 2**30 else ""
-            rows.append(f"| {chip} | {name} | {r['ratio']:g} | {held['weights'] / 2**30:.2f}{copies} | {step['hbm_bytes'] / 2**30:.2f} "
+            rows.append(f"| {chip} | {_step_name(r, 'Mosaic kernel')} | {r['ratio']:g} | {held['weights'] / 2**30:.2f}{copies} | {step['hbm_bytes'] / 2**30:.2f} "
                         f"| {step['ideal_bytes_per_device'] / 2**30:.2f} | {step['hbm_bytes'] / step['ideal_bytes_per_device']:.3f} "
                         f"| {step['hbm_estimated_tokens_per_s']:.1f} | {vs['hbm_estimated_speedup']:.2f}× | {step['bytes_accessed'] / 2**30:.2f} "
                         f"| {vs['estimated_speedup']:.2f}× | {vs['ideal_speedup']:.2f}× |")

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Iterator
 
 _ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -347,6 +349,4 @@ def hbm_traffic(hlo_text: str, *, loop_trips: int = 1) -> dict:
 
 
 if __name__ == "__main__":  # python -m popjax.analysis.hbm_traffic FILE.hlo.txt [LOOP_TRIPS]
-    import sys
-
-    print(json.dumps(hbm_traffic(open(sys.argv[1]).read(), loop_trips=int(sys.argv[2]) if len(sys.argv) > 2 else 1), indent=1))
+    print(json.dumps(hbm_traffic(Path(sys.argv[1]).read_text(), loop_trips=int(sys.argv[2]) if len(sys.argv) > 2 else 1), indent=1))
