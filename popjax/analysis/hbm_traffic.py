@@ -16,11 +16,11 @@ schedule and counts only what crosses HBM:
 * a Pallas kernel (``tpu_custom_call``) counts the bytes its cost estimate declares (popjax's
   kernels declare their own DMAs and BlockSpecs, `popjax.kernels.traffic`), else its operands
   and results;
-* a loop body counts once per trip. XLA:TPU's optimized HLO states no trip counts (and the
-  decode step's attention loop runs over the cache's filled key blocks, a count only known at
-  run time), so a loop counts the trips it takes to read whole the largest loop-carried HBM
-  buffer its body reads in slices (the whole cache, as the analytic ideal counts it; a scanned
-  model's whole weight stack), else ``loop_trips``; a conditional counts its costliest branch.
+* a loop body counts once per trip: a counted loop's (``i < N``: a scan over layers) N trips;
+  another's (the decode attention's, over the cache's filled blocks: known only at run time) the
+  trips that read whole the largest loop-carried HBM buffer its body slices (the cache, as the
+  ideal counts it; at a scanned model's layer, that layer's), else ``loop_trips``; a
+  conditional counts its costliest branch.
 
 The count is an **estimate** read from the compiler's output, not a measurement: it ignores
 tile padding, assumes a fusion reads each HBM operand it uses once, and knows nothing of
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -125,8 +126,8 @@ def _instruction(line: str) -> Instruction | None:
     close = _balanced(rest, op.end() - 1)
     operand_text = rest[op.end():close - 1]
     attrs = rest[close:].lstrip(", ")
-    if op.group(1) == "parameter":
-        attrs = operand_text + ")" + attrs  # "N)…": the parameter's index first
+    if op.group(1) in ("parameter", "constant"):
+        attrs = operand_text + ")" + attrs  # "N)…": the parameter's index, the constant's literal first
     return Instruction(name, op.group(1), _leaves(type_text), re.findall(r"%([^\s,()]+)", operand_text), attrs,
                        root is not None)
 
@@ -216,7 +217,9 @@ class _Counter:
             return 0.0
         if op == "while":
             body = _called(ins.attrs, "body")[0]
-            trips = _buffer_trips(self.computations, self.computations[body])
+            trips = (_loop_trips(self.computations, self.computations[_called(ins.attrs, "condition")[0]],
+                                 self.computations[body])
+                     or _buffer_trips(self.computations, self.computations[body]))
             if trips is None:
                 self.unknown_loops += 1
             return self.computation(body, times * (trips or self.loop_trips))
@@ -265,7 +268,7 @@ class _Counter:
             if not _first_leaf(operand).in_hbm:
                 continue
             param = fused.parameter(index).name
-            read += _used_bytes(fused, param, _first_leaf(operand).bytes, in_place)
+            read += _used_bytes(self.computations, fused, param, _first_leaf(operand).bytes, in_place)
         # a Pallas call fused in (a batch loop around it, XLA:TPU's kCustom fusion): the bytes it declares
         read += sum(_declared_bytes(i.attrs) or 0.0 for i in fused.instructions.values() if _is_pallas(i))
         written = 0.0
@@ -298,9 +301,11 @@ def _results(ins: Instruction, operands: list[Instruction]) -> list[Array]:
     return leaves
 
 
-def _used_bytes(fused: Computation, param: str, whole: float, in_place: set[str]) -> float:
+def _used_bytes(computations: dict[str, Computation], fused: Computation, param: str, whole: float,
+                in_place: set[str], pieces: list[tuple[int, ...]] | None = None) -> float:
     """The bytes a fusion reads of its parameter ``param`` (``whole`` bytes): the pieces its
-    users slice or gather when they all do, nothing when it is only updated in place, else whole."""
+    users slice or gather when they all do (also inside a fusion nested in it: the attention's
+    block of a scanned model's stacked cache), nothing when it is only updated in place, else whole."""
     names, used = [param], 0.0
     while names:
         name = names.pop()
@@ -309,6 +314,12 @@ def _used_bytes(fused: Computation, param: str, whole: float, in_place: set[str]
                 names.append(user.name)
             elif user.opcode in _SLICING and user.operands[0] == name:
                 used += user.leaves[0].bytes
+                if pieces is not None:
+                    pieces.append(user.leaves[0].dims)
+            elif user.opcode == "fusion":
+                nested = computations[_called(user.attrs, "calls")[0]]
+                used += sum(_used_bytes(computations, nested, nested.parameter(i).name, whole, set(), pieces)
+                            for i, operand in enumerate(user.operands) if operand == name)
             elif user.opcode == "dynamic-update-slice" and user.operands[0] == name and user.name in in_place:
                 continue
             elif _is_pallas(user) and _declared_bytes(user.attrs) is not None:
@@ -318,10 +329,34 @@ def _used_bytes(fused: Computation, param: str, whole: float, in_place: set[str]
     return min(used, whole)
 
 
+def _loop_trips(computations: dict[str, Computation], cond: Computation, body: Computation) -> int | None:
+    """A counted loop's trips (a scan over layers): its condition ``i < N``, N a constant, and its
+    body adding 1 to i (from 0, as JAX's scans count) -> N; None for another loop."""
+    root, step = cond.root, body.root
+    if root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2 or step.opcode != "tuple":
+        return None
+    counter = cond.instructions.get(root.operands[0])
+    index = re.search(r"index=(\d+)", counter.attrs) if counter is not None and counter.opcode == "get-tuple-element" else None
+    if index is None or int(index.group(1)) >= len(step.operands):
+        return None
+    add = body.instructions.get(step.operands[int(index.group(1))])
+    if add is None or add.opcode != "add" or not any(_constant(body.instructions.get(o)) == 1 for o in add.operands):
+        return None
+    return _constant(cond.instructions.get(root.operands[1]))
+
+
+def _constant(ins: Instruction | None) -> int | None:
+    """An integer constant's value (None for another instruction)."""
+    literal = ins.attrs.split(")")[0] if ins is not None and ins.opcode == "constant" else ""
+    return int(literal) if literal.lstrip("-").isdigit() else None
+
+
 def _buffer_trips(computations: dict[str, Computation], body: Computation) -> int | None:
     """The trips a loop with a dynamic trip count takes to read whole the largest loop-carried
     HBM buffer its body reads in slices (decode attention: every key block of the cache, as the
-    analytic ideal counts it); None when its body slices no such buffer."""
+    analytic ideal counts it); None when its body slices no such buffer. A dimension the slices
+    take one index of while the buffer has more is not walked by this loop (a scanned model's
+    stacked cache: the attention reads its layer's blocks, at a layer fixed for the loop)."""
     trips = None
     for ins in body.instructions.values():
         if ins.opcode != "fusion":
@@ -331,11 +366,22 @@ def _buffer_trips(computations: dict[str, Computation], body: Computation) -> in
             operand = body.instructions.get(name)
             if operand is None or operand.opcode != "get-tuple-element" or not _first_leaf(operand).in_hbm:
                 continue
-            whole = _first_leaf(operand).bytes
-            used = _used_bytes(fused, fused.parameter(index).name, whole, set())
+            whole, pieces = _first_leaf(operand).bytes, []
+            used = _used_bytes(computations, fused, fused.parameter(index).name, whole, set(), pieces)
             if 0 < used < whole:
-                trips = max(trips or 0, round(whole / used))
+                trips = max(trips or 0, _walked(_first_leaf(operand).dims, pieces) or round(whole / used))
     return trips
+
+
+def _walked(dims: tuple[int, ...], pieces: list[tuple[int, ...]]) -> int | None:
+    """How many of its slices walk a buffer of ``dims``: along the dimensions where a slice is
+    more than one index wide (None if none is, or a slice's rank differs: a gather)."""
+    counts = []
+    for piece in pieces:
+        if len(piece) != len(dims):
+            return None
+        counts.append(math.prod(d // p for d, p in zip(dims, piece) if 1 < p < d))
+    return max(counts) if counts and max(counts) > 1 else None
 
 
 def hbm_traffic(hlo_text: str, *, loop_trips: int = 1) -> dict:

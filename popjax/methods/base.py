@@ -24,6 +24,7 @@ from ..convert.fused import dequantize_tree
 from ..corpus import Corpus, default_corpus, text_file_corpus
 from ..models.moe import slot_array
 from ..sharding import pad_ids, take_replicated, take_split, take_split_rows
+from .per_sequence import decode_per_sequence, prefill_per_sequence
 
 AGGREGATES = ("shared", "per_sequence")
 # aggregates under which every row gets its own statistics (its output ignores its batch-mates)
@@ -173,9 +174,8 @@ def take_gate_up(gate_up: jax.Array, idx: jax.Array) -> jax.Array:
 def copy_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     """Prefill's compact copy of channels ``idx`` [k] along ``axis``: a block every decode step
     then reads whole. On a mesh it is split over the ``model`` axis like ``w`` (`take_split`:
-    no weight is gathered, each device keeps 1/n), padded with zero channels — which contribute
-    exactly 0 (silu(0)·0 = 0; zero down columns) — to k' = a multiple of n. Without a mesh k' = k
-    and this is ``take_channels``."""
+    no weight is gathered, each device keeps 1/n); padded with zero channels (they add exactly 0:
+    silu(0)·0 = 0) to k' = a multiple of 8 and of n (`sharding.pad_ids`)."""
     return take_split(w, pad_ids(idx), axis)
 
 
@@ -214,41 +214,6 @@ def score_prompt(w: FFNWeights, x: jax.Array, valid: jax.Array, n_keep: int):
     importance = prefill_importance(h, valid, w.down_norm)
     order = rank_channels(importance)
     return masked_down(h, order[:n_keep], w.down), order, importance
-
-
-def prefill_per_sequence(prefill_shared, w, x, valid):
-    """Runs a batch-aggregating prefill once per sequence (a batch of one each, via vmap), so
-    each sequence gets its own statistics; state and aux gain a leading batch axis. A batch of
-    one row runs the shared code as it is (the same statistics) with the axis added: the vmap of a
-    single row made XLA read more bytes per step than the shared plan (compact copies moved
-    through a batch axis)."""
-    if x.shape[0] == 1:
-        y, state, aux = prefill_shared(w, x, valid)
-        return y, _with_row_axis(state), _with_row_axis(aux)
-
-    def one(xb, vb):
-        y, state, aux = prefill_shared(w, xb[None], vb[None])
-        return y[0], state, aux
-
-    return jax.vmap(one)(x, valid)
-
-
-def decode_per_sequence(decode_shared, w, state, x, step, valid):
-    """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis."""
-    if x.shape[0] == 1:
-        y, new_state, aux = decode_shared(w, jax.tree_util.tree_map(lambda a: a[0], state), x, step, valid)
-        return y, _with_row_axis(new_state), _with_row_axis(aux)
-
-    def one(sb, xb, vb):
-        y, new_state, aux = decode_shared(w, sb, xb[None], step, vb[None])
-        return y[0], new_state, aux
-
-    return jax.vmap(one)(state, x, valid)
-
-
-def _with_row_axis(tree):
-    """A batch-of-one tree (state or aux) with the leading [1] row axis per-sequence trees carry."""
-    return jax.tree_util.tree_map(lambda a: a[None], tree)
 
 
 def dense_mlp(w: FFNWeights, x: jax.Array) -> jax.Array:

@@ -4,6 +4,8 @@ that lie anywhere in f (static, global POP), split over ``model`` like the weigh
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -35,8 +37,8 @@ def take_split(w: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
     n = split_channels()
     if isinstance(w, Int8Weight):  # the int8 rows and, where it varies along ``axis``, their scales
         return w.along(axis, lambda a, ax: take_split(a, ids, ax))
-    if n == 1:
-        return jnp.take(w, ids, axis=axis, mode="clip")
+    if n == 1:  # UNOWNED ids (padding) take zero rows
+        return jnp.take(w, ids, axis=axis, mode="fill", fill_value=0)
     if w.shape[axis] % n or ids.shape[-1] % n:
         raise ValueError(f"take_split: axis {axis} of shape {w.shape} and {ids.shape[-1]} ids must divide by {n}")
     spec = PartitionSpec(*[RULES["mlp"] if i == axis else None for i in range(w.ndim)])
@@ -82,8 +84,8 @@ def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     if isinstance(w, Int8Weight):  # a scale per row: gathered like its row
         # ``like`` keeps how the weight reads its activations (int8 or float) and its compute dtype
         return w.like(take_split_rows(w.values, ids), take_split_rows(w.scale, ids))
-    if split_channels() == 1:
-        return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="clip")
+    if split_channels() == 1:  # negative ids (padding) take zero rows
+        return jnp.take(w.reshape(P * F, *w.shape[2:]), ids, axis=0, mode="fill", fill_value=0)
     part = jnp.clip(ids // F, 0, P - 1)
     every_part = take_split(w, jnp.where(ids >= 0, ids - part * F, UNOWNED), axis=1)  # [P, k, ...]
     part = part.reshape(-1, *[1] * (w.ndim - 2))
@@ -93,7 +95,15 @@ def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     return rows
 
 
+# Compact copies hold a multiple of this many channels: a TPU tile's sublanes (8 rows of 128
+# lanes). A stacked copy of another width (a scanned model's [L, ...] state) made XLA:TPU re-lay
+# it out, a whole copy per step, for the loop (n_R = 6519 down columns: 3× the bytes; 6520: none).
+CHANNEL_MULTIPLE = 8
+
+
 def pad_ids(ids: jax.Array) -> jax.Array:
-    """ids [k] -> [k'] padded with ``UNOWNED`` to a multiple of `split_channels` (k' = k without a mesh)."""
-    pad = -ids.shape[-1] % split_channels()
+    """ids [k] -> [k'] padded with ``UNOWNED`` (a zero channel) to a multiple of `CHANNEL_MULTIPLE`
+    and of `split_channels`."""
+    multiple = math.lcm(CHANNEL_MULTIPLE, split_channels())
+    pad = -ids.shape[-1] % multiple
     return jnp.pad(ids, (0, pad), constant_values=UNOWNED) if pad else ids

@@ -91,6 +91,33 @@ def test_a_loop_over_a_buffer_in_blocks_reads_it_whole(static_trips):
     assert traffic["unknown_trip_loops"] == 0
 
 
+def test_a_scan_over_stacked_layers_reading_each_layers_blocks_reads_the_stack_once():
+    # a scanned model's decode attention: a scan over L layers (a counted loop), each running a
+    # loop with a dynamic trip count over its own blocks of the stacked cache [L, S, w]
+    layers, rows, width, block = 4, 1024, 512, 16
+
+    def scanned(stack, weights, x, n):
+        def layer(h, xs):
+            index, w = xs
+
+            def step(j, acc):
+                piece = jax.lax.dynamic_slice(stack, (index, j * block, 0), (1, block, width))[0]
+                return acc + (piece.astype(jnp.float32) * h).sum(0)
+
+            attended = jax.lax.fori_loop(0, n, step, jnp.zeros((width,), jnp.float32))
+            return (attended @ w.astype(jnp.float32)).astype(h.dtype), None
+
+        return jax.lax.scan(layer, x, (jnp.arange(layers), weights))[0]
+
+    compiled = _compiled(scanned, ((layers, rows, width), jnp.bfloat16), ((layers, width, width), jnp.bfloat16),
+                         ((width,), jnp.bfloat16), ((), jnp.int32))
+    traffic = hbm_traffic(compiled.as_text())
+    whole = _bytes((layers, rows, width), jnp.bfloat16) + _bytes((layers, width, width), jnp.bfloat16)
+    # each layer's blocks once (not the whole stack per block trip), each layer's weights once
+    assert whole <= traffic["bytes"] <= whole * 1.05
+    assert traffic["unknown_trip_loops"] == 0
+
+
 def test_a_pallas_kernel_counts_the_bytes_it_declares():
     rows, width = 1024, 512
     declared = 8 * width * 2  # the kernel says it reads one 8-row block of its 1 MB operand
