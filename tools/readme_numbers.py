@@ -140,6 +140,24 @@ def whole_step_table(paths: list[str]) -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
+def scanned_table(path: str) -> str:
+    """A scanned-layer report (``--scan-layers``): per method, the HBM bytes of the scanned step
+    against the unrolled step's (1- and 2-layer extrapolation) and the ideal, the estimate vs
+    dense, and the temporaries of the decode step and loop."""
+    rep = _load(path)
+    rows = ["| method | scanned HBM GiB | unrolled HBM GiB | ideal GiB | scanned vs dense (estimate) | temporaries, step / loop |",
+            "|---|---|---|---|---|---|"]
+    for r in rep["records"]:
+        step, temp = r["decode_step"], {k: p["temp"] / 2**30 for k, p in r["programs"].items()}
+        rows.append(f"| {_step_name(r, 'its kernel')} | {step['hbm_bytes'] / 2**30:.2f} | {step['unrolled_hbm_bytes'] / 2**30:.2f} "
+                    f"| {step['ideal_bytes_per_device'] / 2**30:.2f} | {r['vs_dense']['hbm_estimated_speedup']:.2f}× "
+                    f"| {temp['decode_step']:.2f} / {temp['decode_loop']:.2f} GiB |")
+    note = (f"Llama-3.1-8B, bf16, batch {rep['batch']}, context {rep['context']}, one {rep['topology']['chip']}, scanned layers, "
+            "compiled by libtpu on a CPU; HBM bytes counted from the optimized HLO, the speed-up an **estimate** (HBM "
+            f"bytes over bandwidth), not a measurement. From `{path}`.")
+    return "\n".join(rows) + "\n\n" + note
+
+
 KERNEL_STEPS = {  # docs/kernels.md's whole-step tables: block name -> the reports they render
     "kernels-pop": ["results/kernels/whole_step_v6e_bf16.json", "results/kernels/whole_step_v5e_int8.json"],
     "kernels-teal": ["results/kernels/whole_step_v6e_bf16_teal.json", "results/kernels/whole_step_v6e_bf16_wina_principal.json",
@@ -155,6 +173,7 @@ BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
     "performance-speed": ("docs/performance.md", lambda: speed_table(_load(BENCH))),
     "readme-tpu": ("README.md", lambda: tpu_table([_load(p) for p in TPU_STEPS])),
     **{name: ("docs/kernels.md", lambda paths=paths: whole_step_table(paths)) for name, paths in KERNEL_STEPS.items()},
+    "tpu-scanned": ("docs/tpu.md", lambda: scanned_table("results/kernels/whole_step_v6e_bf16_scanned.json")),
 }
 
 

@@ -162,8 +162,8 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                            prefill=prefill)
             cost = step_cost(out["step"])
             if scan_layers:
-                # the HBM count walks every trip of the layer loop: the scanned program's own (it copies
-                # loop-carried stacks per trip: docs/tpu.md), the unrolled extrapolation beside it
+                # the HBM count walks every trip of the layer loop: the scanned program's own (what the
+                # loop costs beyond the unrolled step: docs/tpu.md), the unrolled extrapolation beside it
                 unrolled = _extrapolated_step_cost(cfg, mesh, method, batch, prompt, capacity, dtype)
                 cost = dict(unrolled, scan_body_flops=cost["flops"], scan_body_bytes_accessed=cost["bytes_accessed"],
                             hbm_bytes=cost["hbm_bytes"], unrolled_hbm_bytes=unrolled["hbm_bytes"])

@@ -118,6 +118,24 @@ def test_a_scan_over_stacked_layers_reading_each_layers_blocks_reads_the_stack_o
     assert traffic["unknown_trip_loops"] == 0
 
 
+@pytest.mark.parametrize("columns, moved", [(6519, 3.0), (6520, 1.0)])
+def test_a_scan_over_a_stack_of_a_width_not_a_multiple_of_8_copies_it(columns, moved):
+    # why compact copies are padded to a multiple of 8 channels (sharding.pad_ids): POP's retained
+    # down columns of the 8B at 40%, n_R = 6519, stacked over layers and read one layer per trip
+    layers, d = 4, 4096
+
+    def matvecs(stack, h):
+        def layer(acc, w):
+            return acc + jnp.einsum("bn,dn->bd", h, w).astype(acc.dtype), None
+
+        return jax.lax.scan(layer, jnp.zeros((1, d), jnp.bfloat16), stack)[0]
+
+    compiled = _compiled(matvecs, ((layers, d, columns), jnp.bfloat16), ((1, columns), jnp.bfloat16))
+    stack = _bytes((layers, d, columns), jnp.bfloat16)
+    # 6519: XLA:TPU re-lays the stack out for the loop, a whole copy (read and written) per call
+    assert hbm_traffic(compiled.as_text())["bytes"] == pytest.approx(moved * stack, rel=0.02)
+
+
 def test_a_pallas_kernel_counts_the_bytes_it_declares():
     rows, width = 1024, 512
     declared = 8 * width * 2  # the kernel says it reads one 8-row block of its 1 MB operand
