@@ -157,7 +157,7 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
     # what the decode step's selected rows run through on the TPU (`popjax.kernels.RESOLVED`)
     head = {"method": label, "name": method.name, "ratio": ratio, "plan": type(plan).__name__, "kernel": getattr(plan, "kernel", "xla")}
     try:
-        with _no_persistent_cache():
+        with _no_persistent_cache(), kernels.compiling_for("tpu"):  # traced for the TPU (`sharding.pad_ids`)
             out = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, decode_loop=decode_loop, data=data,
                            prefill=prefill)
             cost = step_cost(out["step"])

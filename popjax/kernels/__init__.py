@@ -50,6 +50,12 @@ def compiling_for(backend: str) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def target_backend() -> str:
+    """The platform programs traced now run on: the `compiling_for` target, else JAX's default
+    backend (what shape choices made for one platform ask: `sharding.pad_ids`)."""
+    return _TARGET.get() or jax.default_backend()
+
+
 def choose(kernel: str, backend: str | None = None) -> str:
     """``kernel`` ("auto", "xla" or "pallas") -> one of `RESOLVED` for ``backend`` (default: the
     `compiling_for` target, else ``jax.default_backend()``): "auto" is Pallas on TPU and GPU and
@@ -57,7 +63,7 @@ def choose(kernel: str, backend: str | None = None) -> str:
     ValueError on another value."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
-    backend = backend or _TARGET.get() or jax.default_backend()
+    backend = backend or target_backend()
     if kernel == "xla" or (kernel == "auto" and backend not in _PALLAS_BACKENDS):
         return "xla"
     return _PALLAS_BACKENDS.get(backend, "pallas-interpret")

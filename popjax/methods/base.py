@@ -175,7 +175,7 @@ def copy_channels(w: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     """Prefill's compact copy of channels ``idx`` [k] along ``axis``: a block every decode step
     then reads whole. On a mesh it is split over the ``model`` axis like ``w`` (`take_split`:
     no weight is gathered, each device keeps 1/n); padded with zero channels (they add exactly 0:
-    silu(0)·0 = 0) to k' = a multiple of 8 and of n (`sharding.pad_ids`)."""
+    silu(0)·0 = 0) to k' = a multiple of n, and of 8 on a TPU (`sharding.pad_ids`)."""
     return take_split(w, pad_ids(idx), axis)
 
 

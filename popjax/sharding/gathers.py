@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ..kernels import target_backend
 from ..kernels.int8 import Int8Weight
 from .mesh import active_mesh_axes
 from .rules import RULES
@@ -95,15 +96,22 @@ def take_split_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     return rows
 
 
-# Compact copies hold a multiple of this many channels: a TPU tile's sublanes (8 rows of 128
-# lanes). A stacked copy of another width (a scanned model's [L, ...] state) made XLA:TPU re-lay
-# it out, a whole copy per step, for the loop (n_R = 6519 down columns: 3× the bytes; 6520: none).
-CHANNEL_MULTIPLE = 8
+# On a TPU, compact copies hold a multiple of this many channels: a tile's sublanes (8 rows of
+# 128 lanes). A stacked copy of another width (a scanned model's [L, ...] state) made XLA:TPU
+# re-lay it out, a whole copy per step, for the layer loop (n_R = 6519 down columns: 3× the
+# bytes; 6520: none). Elsewhere the padding would only add work.
+TPU_CHANNEL_MULTIPLE = 8
+
+
+def channel_multiple() -> int:
+    """What compact copies' channel counts are rounded up to on the platform being traced for
+    (`kernels.target_backend`): `TPU_CHANNEL_MULTIPLE` on a TPU, else 1."""
+    return TPU_CHANNEL_MULTIPLE if target_backend() == "tpu" else 1
 
 
 def pad_ids(ids: jax.Array) -> jax.Array:
-    """ids [k] -> [k'] padded with ``UNOWNED`` (a zero channel) to a multiple of `CHANNEL_MULTIPLE`
-    and of `split_channels`."""
-    multiple = math.lcm(CHANNEL_MULTIPLE, split_channels())
+    """ids [k] -> [k'] padded with ``UNOWNED`` (a zero channel) to a multiple of `channel_multiple`
+    and of `split_channels` (k' = k on one CPU or GPU device)."""
+    multiple = math.lcm(channel_multiple(), split_channels())
     pad = -ids.shape[-1] % multiple
     return jnp.pad(ids, (0, pad), constant_values=UNOWNED) if pad else ids

@@ -154,15 +154,13 @@ def test_bad_kernel_is_one_line(kwargs, message):
 
 
 def test_plan_refuses_a_kernel_for_a_scorer_without_one(tiny_model):
-    """A scorer without a kernel path (low-rank POP's, exact scores from gathered weights)
-    refuses one in its plan; its preset refuses "pallas" and binds "auto" to XLA."""
+    """A scorer without a kernel path (exact scores from gathered weights) refuses one in its
+    plan; its preset refuses "pallas" and binds "auto" to XLA."""
     plan = popjax.POP(ratio=0.4, weights="gather").bind(tiny_model.config)
-    with pytest.raises(MethodError, match="wired for the exact scorer with compact weights, the gate and the shortlist scorers only"):
+    with pytest.raises(MethodError, match="wired for the exact scorer with compact weights, the gate, the shortlist"):
         dataclasses.replace(plan, kernel="pallas-interpret")
-    with pytest.raises(MethodError, match="kernel='pallas' is not wired for pop-lowrank"):
-        popjax.LowRankPOP(ratio=0.4, kernel="pallas")
     with kernels.compiling_for("tpu"):
-        assert popjax.LowRankPOP(ratio=0.4).resolved_kernel() == "xla"
+        assert popjax.POP(ratio=0.4, weights="gather").resolved_kernel() == "xla"
     with pytest.raises(MethodError, match="kernel='triton' is not one of"):
         dataclasses.replace(popjax.POP(ratio=0.4).bind(tiny_model.config), kernel="triton")
     with pytest.raises(ValueError, match="kernel='cuda' is not one of"):

@@ -124,15 +124,18 @@ def test_every_registry_method_compiles_its_decode_step(tmp_path):
     """Every method's decode step (its prefill lowered for the carry, not compiled: the core
     methods' prefills compile above and in the family test), on one v5e chip; those with a
     ``kernel`` bound to Mosaic's (dynamic POP and CATS: one call per layer; LaRoSa: its folded
-    gate/up, then down; gate-scored and shortlisted POP: their up rows, then their down rows)."""
+    gate/up, then down; gate-scored and shortlisted POP: their up rows, then their down rows;
+    low-rank POP: gate, up and down rows; per-layer bands (uniform here): the zone's down rows)."""
     specs = sorted(set(METHODS) - {"dense", "prefill-only", *CORE}) + ["prefill-only+pop:skip=1",
                                                                           "prefill-only:kv=calibrated:skip=1"]
     cfg = config()
     report = tpu_compile(cfg, "v5e:1x1", specs, [0.3], with_dense=False, prefill=False, hlo_dir=tmp_path, **SHAPES)
     bound = {r["name"]: r["kernel"] for r in report["records"]}
-    for name in ("dynamic", "cats", "wina", "principal-teal", "larosa", "pop-gate", "pop-shortlist", "dynamic-shortlist"):
+    for name in ("dynamic", "cats", "wina", "principal-teal", "larosa", "pop-gate", "pop-shortlist", "dynamic-shortlist",
+                 "pop-lowrank", "pop-bands"):
         assert bound[name] == "pallas-tpu", name
-    for name, per_layer in (("dynamic", 1), ("cats", 1), ("larosa", 2), ("pop-gate", 2), ("pop-shortlist", 2), ("dynamic-shortlist", 2)):
+    for name, per_layer in (("dynamic", 1), ("cats", 1), ("larosa", 2), ("pop-gate", 2), ("pop-shortlist", 2), ("dynamic-shortlist", 2),
+                            ("pop-lowrank", 3), ("pop-bands", 1)):
         calls = (tmp_path / f"{name}-0.3.step.hlo.txt").read_text().count(MOSAIC_CALL)
         assert calls == per_layer * cfg.num_hidden_layers, (name, calls)
     names = {r["name"] for r in report["records"]}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import popjax
+from popjax import kernels
 from popjax.methods import METHODS, make_method, method_fields
 from popjax.methods.per_sequence import decode_per_sequence
 from popjax.sharding import pad_ids, take_split
@@ -69,13 +70,15 @@ def test_a_per_sequence_step_returns_the_state_it_passed_through_as_given(batch)
     assert new["count"].tolist() == [1] * batch and new["copy"].shape == (batch, 4, 3)
 
 
-def test_compact_copies_are_padded_with_zero_channels_to_a_multiple_of_8():
-    """A copy of 13 channels holds 16: the 3 padding channels are zeros (they add exactly 0 to
-    the FFN), and a copy of 8 is not padded."""
+def test_compact_copies_are_padded_with_zero_channels_to_a_multiple_of_8_on_a_tpu():
+    """Traced for a TPU, a copy of 13 channels holds 16: the 3 padding channels are zeros (they
+    add exactly 0 to the FFN), and a copy of 8 is not padded. On this CPU nothing is padded."""
     w = jnp.arange(20 * 3, dtype=jnp.float32).reshape(20, 3) + 1
     ids = jnp.array([19, 0, 4, 7, 1, 2, 3, 5, 6, 8, 9, 10, 11])
-    copy = take_split(w, pad_ids(ids), axis=0)
+    assert take_split(w, pad_ids(ids), axis=0).shape == (13, 3)
+    with kernels.compiling_for("tpu"):
+        copy = take_split(w, pad_ids(ids), axis=0)
+        assert pad_ids(ids[:8]).shape == (8,)
     assert copy.shape == (16, 3)
     np.testing.assert_array_equal(copy[:13], w[ids])
     np.testing.assert_array_equal(copy[13:], 0)
-    assert pad_ids(ids[:8]).shape == (8,)

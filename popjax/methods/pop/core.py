@@ -43,7 +43,7 @@ class POPPreset(RatioMethod):
     # on a vision-language model: which prompt tokens score the partition (prompt_tokens.py)
     prompt_tokens: str = dataclasses.field(default="all", kw_only=True)
     # how a decode step reads its data-dependent rows: "auto", "xla" or "pallas" (`kernels.choose`);
-    # a preset whose step has a kernel path says so in `kernel_refusal`
+    # hyper-parameters without a kernel path say why in `kernel_refusal`
     kernel: str = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self):
@@ -55,9 +55,10 @@ class POPPreset(RatioMethod):
             raise MethodError(f"kernel='pallas' {self.kernel_refusal()}; use kernel='xla' or 'auto'")
 
     def kernel_refusal(self) -> str:
-        """Why these hyper-parameters have no kernel path, completing "kernel='pallas' …" ("" where
-        they have one: POP, gate-scored and shortlisted POP override it)."""
-        return f"is not wired for {self.name} (its step reads no selected rows through a kernel)"
+        """Why these hyper-parameters have no kernel path, completing "kernel='pallas' …" ("":
+        every preset's step reads its selected rows through a kernel; POP refuses its
+        gathered-weight and per-shard variants)."""
+        return ""
 
     def resolved_kernel(self) -> str:
         """What the decode step runs (`popjax.kernels.RESOLVED`): "auto" is XLA where no kernel

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from ... import kernels
 from ...kernels.decode_ffn import gather_row_dots, values_matvec
-from ...kernels.ffn_layout import OutputRows, channel_lines, output_layout
+from ...kernels.ffn_layout import InputRows, OutputRows, channel_lines, output_layout
 from ...kernels.int8 import Int8Weight
 from ...sharding import pad_ids
 from ..base import copy_candidates, copy_rows, dot, down_proj, gate_activation, prefill_importance, take_channels
@@ -81,19 +81,21 @@ def output_rows(w) -> OutputRows:
     return output_layout(w)
 
 
-def kernel_up(plan, state, x, ids) -> jax.Array:
-    """The up projections of C's rows ``ids`` [k] (positions in C) through the plan's Pallas
-    kernel: x [B, 1, d] -> [B, 1, k] in x's dtype (only those k rows are read)."""
+def kernel_row_dots(plan, rows: OutputRows, x, ids) -> jax.Array:
+    """x's dots with C's rows ``ids`` [k] (positions in C) of ``rows`` (its up rows, or gate rows)
+    through the plan's Pallas kernel: x [B, 1, d] -> [B, 1, k] in x's dtype (only those k rows
+    are read)."""
     batch = x.shape[0]
-    up = gather_row_dots(x.reshape(batch, -1), state["up_candidates"], ids, kernel=plan.kernel)
-    return up.astype(x.dtype).reshape(batch, 1, -1)
+    dots = gather_row_dots(x.reshape(batch, -1), rows, ids, kernel=plan.kernel)
+    return dots.astype(x.dtype).reshape(batch, 1, -1)
 
 
-def kernel_down(plan, state, h, ids, d: int) -> jax.Array:
-    """Σ over C's channels ``ids`` [k] (positions in C) of h [B, 1, k] times their down columns,
-    through the plan's Pallas kernel (only those k rows are read) -> [B, 1, d]."""
+def kernel_down(plan, rows: InputRows, h, ids, d: int) -> jax.Array:
+    """Σ over the channels ``ids`` [k] (positions in ``rows``: C's down columns as
+    `ffn_layout.InputRows`) of h [B, 1, k] times their down columns, through the plan's Pallas
+    kernel (only those k rows are read) -> [B, 1, d]."""
     batch = h.shape[0]
-    return values_matvec(h.reshape(batch, -1), state["down_candidates"], ids, out_features=d, kernel=plan.kernel).reshape(batch, 1, d)
+    return values_matvec(h.reshape(batch, -1), rows, ids, out_features=d, kernel=plan.kernel).reshape(batch, 1, d)
 
 
 def kernel_row_width(plan, d: int) -> int:
@@ -125,7 +127,7 @@ class GateScorer(CandidateScorer):
 
     def decode(self, plan, w, state, x, valid):
         """With a Pallas ``plan.kernel`` the m selected up rows and down columns are read by the
-        kernels (`kernel_up`, `kernel_down`) instead of XLA's gathers."""
+        kernels (`kernel_row_dots`, `kernel_down`) instead of XLA's gathers."""
         act = gate_activation(w)
         h_retained, g = retained_and_gates(state, x, plan.n_candidates, act)  # g: gate pre-activations of C
         y = down_proj(h_retained, state["down_retained"])
@@ -135,8 +137,8 @@ class GateScorer(CandidateScorer):
         top_scores, selected = jax.lax.top_k(scores, plan.m)  # positions within C
         aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
         if plan.kernel != "xla":
-            h_selected = act(take_channels(g, selected, axis=-1)) * kernel_up(plan, state, x, selected)
-            return y + kernel_down(plan, state, h_selected, selected, x.shape[-1]).astype(y.dtype), aux
+            h_selected = act(take_channels(g, selected, axis=-1)) * kernel_row_dots(plan, state["up_candidates"], x, selected)
+            return y + kernel_down(plan, state["down_candidates"], h_selected, selected, x.shape[-1]).astype(y.dtype), aux
         up = dot("bsd,md->bsm", x, take_channels(state["up_candidates"], selected, axis=0))
         h_selected = act(take_channels(g, selected, axis=-1)) * up  # [B, 1, m]
         return y + h_selected @ take_channels(state["down_candidates"], selected, axis=0), aux
@@ -176,9 +178,6 @@ class GateScoredPOP(POPPreset):
     """
 
     name: ClassVar[str] = "pop-gate"
-
-    def kernel_refusal(self) -> str:
-        return ""
 
     def candidate_scorer(self, f, n_keep, m):
         return GATE

@@ -58,7 +58,8 @@ from ..base import (
     take_channels,
 )
 from .core import POPPreset
-from .plan import EXACT, GLOBAL_BAND, BandRule, POPPlan, copy_channels_or_empty
+from .gate_scored import kernel_down, kernel_row_width
+from .plan import EXACT, GLOBAL_BAND, BandRule, POPPlan, candidate_rows, copy_channels_or_empty
 
 DEFAULT_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 
@@ -168,7 +169,8 @@ class PerLayerBands(BandRule):
             "core_down": copy_channels_or_empty(w.down, core, axis=1),  # [d, n_core']
             # the widest band's zone: retained or candidate by branch, gathered from per step
             "band_gate_up": copy_candidates(w.gate_up, band, axis=1).swapaxes(0, 1),  # [2 m_max, 2, d]
-            "band_down_rows": copy_candidates(w.down, band, axis=1).T,  # [2 m_max, d]
+            # [2 m_max, d], or the kernel's input-major rows (`plan.candidate_rows`)
+            "band_down_rows": copy_candidates(w.down, band, axis=1).T if plan.kernel == "xla" else candidate_rows(w.down, band),
             "band_down_norm": copy_candidates(w.down_norm, band, axis=0),  # [2 m_max]
         }
         h = activations(w.gate_up, x, gate_activation(w))  # XLA shares it with score_prompt's
@@ -186,14 +188,20 @@ class PerLayerBands(BandRule):
                 return y, {"band": jnp.int32(m_l), "selected": selected}
             gu = dot("bsd,nkd->bsnk", x, state["band_gate_up"][:rows])  # static prefix only
             h = act(gu[..., 0]) * gu[..., 1]  # [B, 1, rows]
-            y = h[..., :n_r] @ state["band_down_rows"][:n_r]
+            used, h_used = jnp.arange(n_r, dtype=jnp.int32), h[..., :n_r]  # the zone's down rows this branch reads
             if m_l:
                 h_c = h[..., n_r:]
                 scores = prefill_importance(h_c, valid, state["band_down_norm"][n_r:rows])
                 pick = jax.lax.top_k(scores, m_l)[1]
-                y = y + take_channels(h_c, pick, axis=-1) @ take_channels(state["band_down_rows"][n_r:rows], pick, axis=0)
+                used, h_used = jnp.concatenate([used, n_r + pick]), jnp.concatenate([h_used, take_channels(h_c, pick, axis=-1)], -1)
                 band_ids = state["kept_idx"][plan.n_keep - self.m_max :]
                 selected = selected.at[:m_l].set(take_channels(band_ids[n_r:rows], pick, axis=0))
+            if plan.kernel != "xla":  # every branch reads m_max down rows of the zone: one kernel call
+                y = kernel_down(plan, state["band_down_rows"], h_used, used, x.shape[-1]).astype(x.dtype)
+            else:
+                y = h_used[..., :n_r] @ state["band_down_rows"][:n_r]
+                if m_l:
+                    y = y + h_used[..., n_r:] @ take_channels(state["band_down_rows"], used[n_r:], axis=0)
             return y, {"band": jnp.int32(m_l), "selected": selected}
 
         return run
@@ -210,8 +218,10 @@ class PerLayerBands(BandRule):
         return tuple(b for b, u in zip(self.bands, self.used or (True,) * len(self.bands)) if u)
 
     def weights_read_per_layer(self, plan, d: int) -> tuple[int, ...]:
-        """Per layer (a MoE model: per block that exists)."""
-        return tuple(3 * d * plan.n_keep + 2 * d * m_l for m_l in self._counted())
+        """Per layer (a MoE model: per block that exists); the TPU kernel reads each of the zone's
+        m_max down rows whole, L·128 ≥ d (`kernel_row_width`)."""
+        wider = (kernel_row_width(plan, d) - d) * self.m_max
+        return tuple(3 * d * plan.n_keep + 2 * d * m_l + wider for m_l in self._counted())
 
     def weights_read(self, plan, d):
         """The mean over layers (the total is at most POP's at the same γ)."""
@@ -239,6 +249,9 @@ class LayerBandsPOP(POPPreset):
       ratio, gamma, aggregate: as POP; γ sets the budget (POP's bytes at this γ).
       levels: band widths as multiples of POP's m (a small static set; one must be ≤ 1).
       allocation: the per-layer bands (`BandAllocation`; from ``prepare`` or `allocate_bands`).
+      kernel: how a step reads its band zone's down rows: "auto" (the Pallas kernel on TPU and
+        GPU, XLA on a CPU), "xla" or "pallas" (`kernels.decode_ffn.values_matvec`: each branch
+        reads m_max rows, its retained and its selected ones, in one call).
     """
 
     name: ClassVar[str] = "pop-bands"
@@ -305,4 +318,4 @@ class LayerBandsPOP(POPPreset):
                 f"Σ m_l ≤ {'L' if not blocks else 'blocks'}·m = {n_units * m} (POP's budget at gamma={self.gamma}), each ≤ {cap}"
             )
         plan = layer_bands_plan(f, n_keep, m, tuple(bands), self.aggregate, blocks, tuple(bool(u) for u in used) if blocks else ())
-        return dataclasses.replace(plan, prompt_tokens=self.prompt_tokens)
+        return dataclasses.replace(plan, prompt_tokens=self.prompt_tokens, kernel=self.resolved_kernel())

@@ -50,7 +50,8 @@ from ..base import (
     gate_activation, copy_candidates, DensePlan, MethodError, Plan, activations, dot, down_proj, gate_up_blocks, kept_channels, prefill_importance, take_channels,
 )
 from .core import POPPreset
-from .plan import CandidateScorer, POPPlan, check_choice, copy_channels_or_empty
+from .gate_scored import kernel_down, kernel_row_dots, kernel_row_width, output_rows
+from .plan import CandidateScorer, POPPlan, candidate_rows, check_choice, copy_channels_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,10 @@ class LowRankScorer(CandidateScorer):
         check_choice("project", self.project, PROJECTS)
 
     @property
+    def kernel_wired(self) -> bool:
+        return True
+
+    @property
     def n_factors(self) -> int:
         return 2 if self.project == "gate_up" else 1
 
@@ -158,7 +163,7 @@ class LowRankScorer(CandidateScorer):
         row = table_row(w, plan.blocks)  # the layer (a MoE model: the layer's block)
         factors = w.data["lowrank"]
         inputs, outputs = factors["inputs"][row, :k], factors["outputs"][row, :k]  # [k, d, r], [k, r, f]
-        return {
+        state = {
             "retained_idx": retained,  # [n_R]
             "candidate_idx": candidates,  # [n_C]
             # split over "model" on a mesh, padded with zero channels to n_R' (base.copy_channels)
@@ -166,11 +171,16 @@ class LowRankScorer(CandidateScorer):
             "down_retained": copy_channels_or_empty(w.down, retained, axis=1),  # [d, n_R']
             "score_in": jnp.transpose(inputs, (1, 0, 2)).reshape(x.shape[-1], -1),  # [d, k r]
             "score_out": take_channels(outputs, candidates, axis=2),  # [k, r, n_C]
-            # a candidate's gate row and up row side by side, so a step gathers m rows
-            "gate_up_candidates": copy_candidates(w.gate_up, candidates, axis=1).swapaxes(0, 1),  # [n_C, 2, d]
-            "down_candidates": copy_candidates(w.down, candidates, axis=1).T,  # [n_C, d]
             "down_norm_candidates": copy_candidates(w.down_norm, candidates, axis=0),  # [n_C]
         }
+        if plan.kernel == "xla":  # a candidate's gate row and up row side by side: a step gathers m rows
+            state["gate_up_candidates"] = copy_candidates(w.gate_up, candidates, axis=1).swapaxes(0, 1)  # [n_C, 2, d]
+            state["down_candidates"] = copy_candidates(w.down, candidates, axis=1).T  # [n_C, d]
+        else:  # the kernels' layouts: C's gate and up rows as OutputRows, its down columns as InputRows
+            state["gate_candidates"] = output_rows(copy_candidates(w.gate_up[0], candidates, axis=0))
+            state["up_candidates"] = output_rows(copy_candidates(w.gate_up[1], candidates, axis=0))
+            state["down_candidates"] = candidate_rows(w.down, candidates)
+        return state
 
     def estimated_scores(self, state, x, valid, act=jax.nn.silu) -> jax.Array:
         """ŝ over the band from the rank-r factors: x [B, 1, d] -> [n_C] fp32."""
@@ -186,19 +196,26 @@ class LowRankScorer(CandidateScorer):
         y = down_proj(activations(state["gate_up"], x, gate_activation(w)), state["down_retained"])
         if plan.m == 0:
             return y, {}
-        top_scores, selected = jax.lax.top_k(self.estimated_scores(state, x, valid, gate_activation(w)), plan.m)
+        act = gate_activation(w)
+        top_scores, selected = jax.lax.top_k(self.estimated_scores(state, x, valid, act), plan.m)
+        aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        if plan.kernel != "xla":  # the m selected gate, up and down rows through the row kernels
+            gate = kernel_row_dots(plan, state["gate_candidates"], x, selected)
+            h_selected = act(gate) * kernel_row_dots(plan, state["up_candidates"], x, selected)  # [B, 1, m], exact
+            return y + kernel_down(plan, state["down_candidates"], h_selected, selected, x.shape[-1]).astype(y.dtype), aux
         rows = take_channels(state["gate_up_candidates"], selected, axis=0)  # [m, 2, d]
         gu = dot("bsd,mkd->bsmk", x, rows)
-        h_selected = gate_activation(w)(gu[..., 0]) * gu[..., 1]  # [B, 1, m], exact
-        y = y + h_selected @ take_channels(state["down_candidates"], selected, axis=0)
-        return y, {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        h_selected = act(gu[..., 0]) * gu[..., 1]  # [B, 1, m], exact
+        return y + h_selected @ take_channels(state["down_candidates"], selected, axis=0), aux
 
     def scoring_elements(self, plan, d: int) -> int:
         """The factors a step reads: k·r·(d + n_C) (none when nothing is selected)."""
         return self.n_factors * self.rank * (d + plan.n_candidates) if plan.m else 0
 
     def weights_read(self, plan, d):
-        return 3 * d * plan.n_keep + self.scoring_elements(plan, d)
+        """R's three rows, the factors, and the m selected rows' three (each L·128 ≥ d wide
+        through the TPU kernels, `kernel_row_width`)."""
+        return 3 * d * plan.n_retained + 3 * kernel_row_width(plan, d) * plan.m + self.scoring_elements(plan, d)
 
     def flops(self, plan, d):
         return 2 * (3 * d * plan.n_keep + self.scoring_elements(plan, d))
@@ -224,6 +241,9 @@ class LowRankPOP(POPPreset):
         score only, one pair, half the scoring bytes).
       factors: the model's `LowRankFactors` (``prepare(model)`` computes or loads them); the
         engine receives them through `data`.
+      kernel: how a step reads the m selected candidates' gate, up and down rows: "auto" (the
+        Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
+        (`kernels.decode_ffn.gather_row_dots` twice, then `values_matvec`).
     """
 
     name: ClassVar[str] = "pop-lowrank"

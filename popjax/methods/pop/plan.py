@@ -292,8 +292,8 @@ class POPPlan(AggregatedPlan):
         self.band.check(self.scorer)
         check_choice("kernel", self.kernel, kernels.RESOLVED)
         if self.kernel != "xla" and not self.scorer.kernel_wired:
-            raise MethodError(f"kernel={self.kernel!r} is wired for the exact scorer with compact weights, the gate and the "
-                              f"shortlist scorers only, not {self.scorer!r}")
+            raise MethodError(f"kernel={self.kernel!r} is wired for the exact scorer with compact weights, the gate, the "
+                              f"shortlist and the low-rank scorers only, not {self.scorer!r}")
 
     @property
     def name(self) -> str:  # what the presets are registered as: "pop", "pop-gate", ...

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from ..base import MethodError, copy_candidates, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels
 from .core import POPPreset
-from .gate_scored import gate_partition_state, gate_scores, kernel_down, kernel_row_width, kernel_up, retained_and_gates
+from .gate_scored import gate_partition_state, gate_scores, kernel_down, kernel_row_dots, kernel_row_width, retained_and_gates
 from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
 
 PRIORS = ("none", "up", "gated_up")  # what the scorer computes; each preset offers its own subset
@@ -85,7 +85,7 @@ class ShortlistScorer(CandidateScorer):
         weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
         shortlist = jax.lax.top_k(gate_scores(g, valid, weight, act), self.s)[1]  # [s] within C
         if plan.kernel != "xla":  # the shortlist's up rows through the row-dot kernel
-            up = kernel_up(plan, state, x, shortlist)
+            up = kernel_row_dots(plan, state["up_candidates"], x, shortlist)
         else:
             up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
         h = act(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
@@ -94,7 +94,7 @@ class ShortlistScorer(CandidateScorer):
         selected = take_channels(shortlist, pick, axis=0)  # positions within C
         aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
         if plan.kernel != "xla":
-            return y + kernel_down(plan, state, take_channels(h, pick, axis=-1), selected, x.shape[-1]).astype(y.dtype), aux
+            return y + kernel_down(plan, state["down_candidates"], take_channels(h, pick, axis=-1), selected, x.shape[-1]).astype(y.dtype), aux
         return y + take_channels(h, pick, axis=-1) @ take_channels(state["down_candidates"], selected, axis=0), aux
 
     def weights_read(self, plan, d):
@@ -153,9 +153,6 @@ class ShortlistPOP(POPPreset):
         lowest = 0.5 if self.band == "pop" else 0.0
         if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, (int, float)) or not lowest <= self.shortlist <= 1:
             raise MethodError(f"shortlist={self.shortlist!r} is outside [{lowest}, 1] (the fraction of the band scored exactly)")
-
-    def kernel_refusal(self) -> str:
-        return ""
 
     def band_rule(self):
         return UNKEPT_BAND if self.band == "all" else GLOBAL_BAND
