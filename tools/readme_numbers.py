@@ -165,6 +165,7 @@ KERNEL_STEPS = {  # docs/kernels.md's whole-step tables: block name -> the repor
     "kernels-larosa": ["results/kernels/whole_step_v6e_bf16_larosa_block_dynamic.json"],
     "kernels-dynamic-cats": ["results/kernels/whole_step_v6e_bf16_dynamic_cats.json"],
     "kernels-shortlist": ["results/kernels/whole_step_v6e_bf16_shortlist.json"],
+    "kernels-presets": ["results/kernels/whole_step_v6e_bf16_presets.json"],
 }
 
 # block name -> (file, renderer of its body)
