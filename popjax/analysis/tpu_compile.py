@@ -32,6 +32,9 @@ import dataclasses
 import logging
 import math
 import multiprocessing
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -249,7 +252,8 @@ def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Se
                   decode_loop=decode_loop, prefill=prefill, hlo_dir=hlo_dir)
     if jobs > 1 and len(methods_) > 1:  # XLA compiles one program on about one core: methods side by side
         spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(methods_)), mp_context=spawn) as pool:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(methods_)), mp_context=spawn,
+                                                    initializer=exit_with_parent) as pool:
             records = list(pool.map(_compile_in_worker, [(cfg, target.name, shape, m, shapes) for m in methods_]))
     else:
         records = [_compile_logged(cfg, target, grid, m, shapes) for m in methods_]
@@ -271,6 +275,20 @@ def tpu_compile(model: str | ModelConfig, topology: str = "v5e:2x4", methods: Se
 def _compile_logged(cfg: ModelConfig, target: Topology, grid, method: Method, shapes: dict[str, Any]) -> dict[str, Any]:
     log.info("compiling %s for %s", method_label(method), target.name)
     return compile_method(cfg, target, grid, method, **shapes)
+
+
+def exit_with_parent() -> None:
+    """A compile worker's initializer: the worker exits once the process that started it is
+    gone. A killed ``popjax compile --jobs N`` otherwise left its workers compiling, then idle,
+    holding 4 GB each, until someone found them."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _compile_in_worker(job: tuple) -> dict[str, Any]:

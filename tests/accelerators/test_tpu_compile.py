@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -300,3 +301,37 @@ def test_prepare_libtpu_env_keeps_what_the_user_set(monkeypatch):
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     libtpu_env.prepare_libtpu_env()
     assert "TPU_WORKER_HOSTNAMES" not in os.environ
+
+
+PARENT_THAT_DIES = """
+import concurrent.futures, multiprocessing, os, time
+from popjax.analysis.tpu_compile import exit_with_parent
+if __name__ == "__main__":
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent)
+    print(pool.submit(os.getpid).result(), flush=True)
+    pool.submit(time.sleep, 120)  # the worker is busy when its parent dies
+    os._exit(0)  # killed: no shutdown of the pool
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive (not gone, not a zombie nobody reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads a process's state from /proc")
+def test_compile_workers_exit_when_their_parent_dies():
+    """`popjax compile --jobs N`'s workers (`exit_with_parent`) do not outlive a killed parent: a
+    busy worker exits within seconds of its parent's death (an orphan would also hold the
+    parent's stdout open: ``subprocess.run`` then times out)."""
+    out = subprocess.run([sys.executable, "-c", PARENT_THAT_DIES], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    worker = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(worker), f"worker {worker} outlived its parent"
