@@ -73,7 +73,8 @@ def speed_table(bench: dict) -> str:
 
 TPU_STEPS = ("results/kernels/whole_step_v6e_bf16.json", "results/kernels/whole_step_v6e_bf16_teal.json",
              "results/kernels/whole_step_v6e_bf16_wina_principal.json", "results/kernels/whole_step_v6e_bf16_dynamic_cats.json",
-             "results/kernels/whole_step_v6e_bf16_shortlist.json", "results/kernels/whole_step_v6e_bf16_larosa_block_dynamic.json")
+             "results/kernels/whole_step_v6e_bf16_shortlist.json", "results/kernels/whole_step_v6e_bf16_larosa_block_dynamic.json",
+             "results/kernels/whole_step_v6e_bf16_presets.json")
 
 
 def method_label(spec: str) -> str:
