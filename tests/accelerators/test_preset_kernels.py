@@ -15,6 +15,7 @@ import pytest
 import popjax
 from popjax import kernels
 from popjax.kernels.ffn_layout import InputRows, OutputRows, channel_lines
+from popjax.kernels.int8 import Int8Weight
 from popjax.methods.pop.layer_bands import layer_bands_plan
 from popjax.methods.pop.low_rank import factors_from_weights, lowrank_data, lowrank_plan
 from tests.accelerators.kernel_paths import check_method_kernel
@@ -27,7 +28,7 @@ F, N_KEEP, D = 48, 30, 40
 
 
 def _lowrank(w, aggregate):
-    gate_up = np.asarray(w.gate_up.dequantize() if hasattr(w.gate_up, "dequantize") else w.gate_up)
+    gate_up = np.asarray(w.gate_up.dequantize() if isinstance(w.gate_up, Int8Weight) else w.gate_up)
     data = lowrank_data(factors_from_weights([gate_up], rank=5))
     return lowrank_plan(f=F, n_keep=N_KEEP, m=6, aggregate=aggregate, rank=5), w.replace(data=data)
 
