@@ -18,6 +18,9 @@ the same math as ``Transformer`` (same embedding, final norm, LM head and layer 
   write is not inside the scan);
 * the layer index reaches the method as ``weights["layer"]``, a traced int32: methods that pick
   per-layer calibrated constants by it work unchanged;
+* a decode step scans the method states' arrays per layer but holds their kernel rows
+  (`kernels.held_rows`) whole: each layer gets them as its layer of the stack, which a Pallas
+  kernel reads by offset (a slice would be copied out for the call in every layer);
 * mixed layer types (Gemma 3: sliding-window and full layers): the caches are `KindCaches`, one
   stack per kind — full layers [L_f, B, S, ...], sliding layers' ring buffers [L_s, B, R, ...] —
   and each layer reads its own with a ``lax.cond`` on its kind (its position in its kind's stack
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..kernels import held_rows
 from ..kernels.attention import NO_WINDOW, ring_from_prompt, ring_slots, ring_write
 from .config import ModelConfig
 from .decoder import DecoderLayer, Transformer, cache_attention
@@ -218,8 +222,11 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
         kinds = _kinds(cfg)
         graphdef, params = nnx.split(self.layer_stack)
         per_layer = None if kinds is None else jax.tree_util.tree_map(jnp.asarray, kinds)
-        xs = (jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32), params, states, per_layer)
         caches = cache.caches
+        # a decode step holds the kernel rows of the states whole (`held_rows`: a Pallas call
+        # would copy a slice of them out per layer); a MoE layer maps its states over experts
+        held = held_rows.hold(states) if caches is not None and states is not None and cfg.moe is None else None
+        xs = (jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32), params, states if held is None else held.sliced, per_layer)
 
         def angles(kind):  # this layer's rotary angles (a sliding layer may have its own base)
             if kind is None or len(rope) == 1:
@@ -235,10 +242,12 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
             attend = None if caches is None else stacked_cache_attention(cfg, caches, index, kind, cache.key_valid,
                                                                          cache.write_index)
             window = None if kind is None else kind.window
-            x, fresh, state, aux = layer(x, cos, sin, cache.key_valid, attend, fn, state, ffn.valid, index, window=window)
-            return x, (fresh, state, aux)
+            given = state if held is None else held_rows.layer_state(held, state, index)
+            x, fresh, state, aux = layer(x, cos, sin, cache.key_valid, attend, fn, given, ffn.valid, index, window=window)
+            return x, (fresh, state if held is None else held_rows.release(held, state, given), aux)
 
         x, (fresh, states, aux) = jax.lax.scan(layer_step, x, xs)
+        states = states if held is None else held_rows.restore(held, states)
         # decode: every layer's fresh slots are written after the scan, in one update (`write_slots`)
         new_caches = fresh if caches is None else write_slots(cfg, caches, fresh, cache.write_index)
         if last_only:

@@ -35,12 +35,12 @@ from .ffn_layout import (
     activation,
     check_channel_rows,
     check_gate,
-    check_output_rows,
     check_slab,
-    check_values,
     input_stack,
     masked_selection,
+    output_stack,
     stack_view,
+    values_stack,
 )
 from .selection import select_blocks, select_channels
 
@@ -177,16 +177,16 @@ def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, count: in
     """`matvec_tpu.gather_row_dots` on a GPU: u [B, m] f32 = x · W[ids]ᵀ, W as `OutputRows`
     [n, L, 128]: the gate/up kernel of `rows_ffn` given unit gate values, loading only the
     selected rows' first d columns (int8: times the rows' scales)."""
-    n = check_output_rows(rows, x)
+    n, values, row_scale, first = output_stack(rows, x)
     if ids.ndim != 1:
         raise ValueError(f"ids of shape {tuple(ids.shape)}: expected [m], one list for every row")
     sel = select_channels(ids, n, x.shape[0], count)
     m = ids.shape[0]
     pad = -(-m // CHUNK) * CHUNK - m
-    fetch, keep = jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
+    fetch, keep = jnp.pad(sel.ids + first, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
     mask = jnp.broadcast_to(keep.astype(jnp.float32)[None], (x.shape[0], keep.shape[0]))
-    scale = None if rows.scale is None else rows.scale[sel.ids][None]
-    flat = rows.values.reshape(n, -1)
+    scale = None if row_scale is None else row_scale[sel.ids][None]
+    flat = values.reshape(values.shape[0], -1)
     u = _gate_up_rows(x, flat, fetch, fetch, keep, mask, scale, act=None, gated=True, interpret=interpret)
     return u[:, :m]
 
@@ -277,11 +277,12 @@ def gather_matvec(
 def values_matvec(values: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, interpret: bool = False,
                   splits: int | None = None) -> jax.Array:
     """`matvec_tpu.values_matvec` on a GPU: y [B, n] = Σ_p values[:, p] · W[ids[p]], values [B, m]
-    beside ids [m], W as `InputRows` [k, L, 128]: the down kernel of `rows_ffn`."""
-    k, lines = check_values(values, rows, ids, out_features)
+    beside ids [m], W as `InputRows` [k, L, 128] (or held rows, read by offset): the down kernel of
+    `rows_ffn`."""
+    k, lines, weights, scale, first = values_stack(values, rows, ids, out_features)
     sel = select_channels(ids, k, values.shape[0])
     xs = values.astype(jnp.float32) * sel.keep[None, :].astype(jnp.float32)
-    return _rows_matvec(xs, rows.values.reshape(k, lines * 128), sel.ids, sel.keep, rows.scale,
+    return _rows_matvec(xs, weights.reshape(-1, lines * 128), sel.ids + first, sel.keep, scale,
                         out_features=out_features, dtype=values.dtype, interpret=interpret, splits=splits)
 
 

@@ -66,19 +66,24 @@ class InputRows(NamedTuple):
     """Input-major weights, for methods that sparsify a matmul's *input* per token (TEAL, WINA,
     principal TEAL): values [k, L, 128], row i = the column of W [n, k] that input i multiplies
     (L = `channel_lines(n)`, zero past n); scale [1, L·128] fp32 (int8: W's per-output-channel
-    scales, 1 past n) or None."""
+    scales, 1 past n) or None. With ``layer`` (an int32 scalar), one layer of a stack: values
+    [S, k, L, 128], scale [S, 1, L·128], read at that layer by offset (a scanned model's
+    method state: `held_rows`)."""
 
     values: jax.Array
     scale: jax.Array | None = None
+    layer: jax.Array | None = None
 
 
 class OutputRows(NamedTuple):
     """Output-major weights, for a step that needs single outputs of W [n, d] · x (shortlisted
     POP's up projection of its shortlist): values [n, L, 128], row j = W's row j (L =
-    `channel_lines(d)`, zero past d); scale [n] fp32 (int8: row j's scale) or None."""
+    `channel_lines(d)`, zero past d); scale [n] fp32 (int8: row j's scale) or None. With
+    ``layer``, one layer of a stack: values [S, n, L, 128], scale [S, n] (`held_rows`)."""
 
     values: jax.Array
     scale: jax.Array | None = None
+    layer: jax.Array | None = None
 
 
 def _check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
@@ -279,7 +284,8 @@ def input_stack(rows: "InputRows", x, out_features: int, layer=None) -> tuple[in
     """An input-row matvec's rows as one matrix: rows [k, L, 128] (``layer`` None) or a stack of
     layers [S, k, L, 128] read at ``layer`` (clamped into [0, S)), checked against x [B, k] ->
     (k, L, values [S·k, L, 128] (a bitcast: no layer copied out), the layer's scale [1, L·128]
-    or None, the layer's first row in values: layer·k)."""
+    or None, the layer's first row in values: layer·k). ``layer`` None reads ``rows.layer``."""
+    layer = rows.layer if layer is None else layer
     stacked = rows.values.ndim == 4
     if stacked != (layer is not None):
         raise ValueError(f"rows of shape {tuple(rows.values.shape)} with layer={layer!r}: a stack [S, k, L, 128] needs a layer index, one matrix none")
@@ -291,13 +297,14 @@ def input_stack(rows: "InputRows", x, out_features: int, layer=None) -> tuple[in
     return k, lines, rows.values.reshape(-1, lines, 128), scale, layer * k
 
 
-def check_values(values: jax.Array, rows: "InputRows", ids: jax.Array, out_features: int) -> tuple[int, int]:
+def values_stack(values: jax.Array, rows: "InputRows", ids: jax.Array, out_features: int):
     """A matvec given its inputs' values per position: values [B, m] beside ids [m], rows
-    [k, L, 128] holding ``out_features`` outputs -> (k, L)."""
+    [k, L, 128] holding ``out_features`` outputs (or held rows: `input_stack`) -> input_stack's
+    (k, L, weights, scale, first)."""
     if ids.ndim != 1 or values.ndim != 2 or values.shape[1] != ids.shape[0]:
         raise ValueError(f"values of shape {tuple(values.shape)} with ids of shape {tuple(ids.shape)}: expected values [B, m] beside ids [m]")
     check_x(values, ids.shape[0])
-    return check_input_rows(rows, jax.ShapeDtypeStruct((values.shape[0], rows.values.shape[0]), values.dtype), out_features)
+    return input_stack(rows, jax.ShapeDtypeStruct((values.shape[0], rows.values.shape[-3]), values.dtype), out_features)
 
 
 def check_output_rows(rows: "OutputRows", x: jax.Array) -> int:
@@ -309,6 +316,20 @@ def check_output_rows(rows: "OutputRows", x: jax.Array) -> int:
         raise ValueError(f"scale of shape {tuple(rows.scale.shape)} does not fit rows {shape}; expected [{shape[0]}]")
     check_x(x, d)
     return shape[0]
+
+
+def output_stack(rows: "OutputRows", x: jax.Array) -> tuple[int, jax.Array, jax.Array | None, jax.Array | int]:
+    """A row-dot's rows as one matrix, checked against x [B, d]: values [n, L, 128], or with
+    ``rows.layer`` a stack [S, n, L, 128] read at that layer -> (n, values [S·n, L, 128] (a
+    bitcast: no layer copied out), the layer's scale [n] or None, its first row: layer·n)."""
+    if rows.layer is None:
+        return check_output_rows(rows, x), rows.values, rows.scale, 0
+    if rows.values.ndim != 4:
+        raise ValueError(f"rows of shape {tuple(rows.values.shape)} with a layer index: a stack is [S, n, L, 128]")
+    layer = jnp.clip(jnp.asarray(rows.layer, jnp.int32), 0, rows.values.shape[0] - 1)
+    scale = None if rows.scale is None else jax.lax.dynamic_index_in_dim(rows.scale, layer, keepdims=False)
+    n = check_output_rows(OutputRows(jax.ShapeDtypeStruct(rows.values.shape[1:], rows.values.dtype), scale), x)
+    return n, rows.values.reshape(-1, *rows.values.shape[2:]), scale, layer * n
 
 
 class MaskedInputs(NamedTuple):

@@ -35,7 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import InputRows, OutputRows, channel_lines, check_block, check_input_rows, check_output_rows, check_values, input_stack, masked_selection
+from .ffn_layout import (
+    InputRows, OutputRows, channel_lines, check_block, input_stack, masked_selection, output_stack, values_stack,
+)
 from .selection import counted_blocks, select_channels
 from .traffic import block_matvec_bytes, gather_matvec_bytes, gather_row_dots_bytes
 from .ffn_tpu import MOSAIC_OWN_VMEM, fetch_rows, finish, in_hbm, vmem_buffer_bytes, vmem_limit
@@ -86,13 +88,14 @@ def gather_matvec(
 ) -> jax.Array:
     """y [B, n] = W · x over the inputs ``ids`` of x [B, k] (W as `InputRows` [k, L, 128],
     n = ``out_features``): ids [m] for every row (ids[:count] active, `selection`'s contract)
-    or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing."""
-    k, lines = check_input_rows(rows, x, out_features)
+    or [B, m] per row (count [B] or a scalar), an input a row did not choose adding nothing.
+    Held rows (``rows.layer``: a stack [S, k, L, 128]) are read at their layer by offset."""
+    k, _, values, scale, first = input_stack(rows, x, out_features)
     sel = select_channels(ids, k, x.shape[0], count)
     mask = sel.keep[:, None].astype(x.dtype) if sel.mask is None else sel.mask.astype(x.dtype)
     xs = x[:, sel.ids].T * mask  # [n, B]: each position's input value, 0 where not chosen
     n = sel.ids.shape[0]
-    return _rows_matvec(xs, sel.ids, sel.keep, rows.values, rows.scale, out_features=out_features, rows_read=n,
+    return _rows_matvec(xs, sel.ids + first, sel.keep, values, scale, out_features=out_features, rows_read=n,
                         chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
 
 
@@ -109,11 +112,12 @@ def values_matvec(
 ) -> jax.Array:
     """y [B, n] = Σ_p values[:, p] · W[ids[p]] for values [B, m] given per position (a step that
     computed its inputs for the chosen rows only: nothing to gather from a wider x) and ids [m]
-    into W as `InputRows` [k, L, 128] (`selection`'s contract: a position not kept adds nothing)."""
-    k, _ = check_values(values, rows, ids, out_features)
+    into W as `InputRows` [k, L, 128] (`selection`'s contract: a position not kept adds nothing),
+    or held rows read at their layer."""
+    k, _, weights, scale, first = values_stack(values, rows, ids, out_features)
     sel = select_channels(ids, k, values.shape[0])
     xs = (values * sel.keep[None, :].astype(values.dtype)).T  # [m, B]
-    return _rows_matvec(xs, sel.ids, sel.keep, rows.values, rows.scale, out_features=out_features, rows_read=ids.shape[0],
+    return _rows_matvec(xs, sel.ids + first, sel.keep, weights, scale, out_features=out_features, rows_read=ids.shape[0],
                         chunk=chunk, interpret=interpret, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
 
 
@@ -297,11 +301,12 @@ def row_dots_vmem_bytes(batch: int, chunk: int, d: int, weight_dtype, x_dtype) -
     return total + 2 * vmem_buffer_bytes((batch, lines * 128), x_dtype) + 2 * vmem_buffer_bytes((batch, chunk), jnp.float32)
 
 
-def _row_dots_kernel(ids_ref, keep_ref, *refs, chunk, steps, scaled):
+def _row_dots_kernel(ids_ref, keep_ref, first_ref, *refs, chunk, steps, scaled):
     scale_ref = refs[0] if scaled else None  # every row's scale [n], in SMEM
     x_ref, rows_hbm, o_ref, buf, sems = refs[1:] if scaled else refs
     c = pl.program_id(0)
-    slot = fetch_rows(ids_ref, keep_ref, sems, chunk, steps, [(lambda i: rows_hbm.at[i], lambda s, r: buf.at[s, r])])
+    row = lambda i: rows_hbm.at[first_ref[0] + i]  # noqa: E731 (held rows: the layer's offset in the stack)
+    slot = fetch_rows(ids_ref, keep_ref, sems, chunk, steps, [(row, lambda s, r: buf.at[s, r])])
     x = x_ref[...]
     w = buf[slot].reshape(chunk, buf.shape[2] * buf.shape[3]).astype(x.dtype)
     u = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -330,29 +335,30 @@ def gather_row_dots(
     (`selection`'s contract: a position not selected, out of range or repeating the previous
     id gives 0), reading only the rows of the selected ids, one DMA each; int8 rows times their
     scales (read from SMEM in the kernel). ``chunk`` rows per grid step (128: each step's output block fills the lanes)."""
-    n = check_output_rows(rows, x)
+    n, values, row_scale, first = output_stack(rows, x)
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be a positive number of rows per step")
     if ids.ndim != 1:
         raise ValueError(f"ids of shape {tuple(ids.shape)}: expected [m], one list for every row")
     sel = select_channels(ids, n, x.shape[0], count)
-    m, batch, (lines, width) = ids.shape[0], x.shape[0], (rows.values.shape[1], rows.values.shape[1] * 128)
+    m, batch, (lines, width) = ids.shape[0], x.shape[0], (values.shape[1], values.shape[1] * 128)
     steps = -(-m // chunk)
     pad = steps * chunk - m
     est = row_dots_vmem_bytes(batch, chunk, x.shape[1], rows.values.dtype, x.dtype)
     limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_row_dots (B={batch}, chunk={chunk}, d={x.shape[1]}, {rows.values.dtype})")
     fetch, keep = jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
-    scaled = rows.scale is not None
-    scalars = (fetch, keep, rows.scale) if scaled else (fetch, keep)
+    scaled = row_scale is not None
+    # the DMAs read held rows at their layer's offset ``first``; the scales are the layer's own [n]
+    scalars = (fetch, keep, jnp.reshape(first, (1,)).astype(jnp.int32)) + ((row_scale,) if scaled else ())
     fixed = lambda i, *scalars: (0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(steps,),
         in_specs=[pl.BlockSpec((batch, width), fixed), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, batch, chunk), lambda i, *scalars: (i, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((2, chunk, lines, 128), rows.values.dtype), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[pltpu.VMEM((2, chunk, lines, 128), values.dtype), pltpu.SemaphoreType.DMA((2,))],
     )
-    traffic = gather_row_dots_bytes(m, m, chunk, x.shape[1], batch, rows.values.dtype, x.dtype, n)
+    traffic = gather_row_dots_bytes(m, m, chunk, x.shape[1], batch, values.dtype, x.dtype, n)
     u = pl.pallas_call(
         functools.partial(_row_dots_kernel, chunk=chunk, steps=steps, scaled=scaled),
         grid_spec=grid_spec,
@@ -361,5 +367,5 @@ def gather_row_dots(
         cost_estimate=pl.CostEstimate(flops=2 * batch * width * m, transcendentals=0, bytes_accessed=traffic),
         interpret=interpret,
         name="gather_row_dots",
-    )(*scalars, jnp.pad(x, ((0, 0), (0, width - x.shape[1]))), in_hbm(rows.values, interpret))
+    )(*scalars, jnp.pad(x, ((0, 0), (0, width - x.shape[1]))), in_hbm(values, interpret))
     return u.transpose(1, 0, 2).reshape(batch, steps * chunk)[:, :m]

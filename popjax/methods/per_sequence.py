@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 
+from ..kernels import held_rows
+
 
 def prefill_per_sequence(prefill_shared, w, x, valid):
     """Runs a batch-aggregating prefill once per sequence (a batch of one each, via vmap), so
@@ -25,9 +27,11 @@ def prefill_per_sequence(prefill_shared, w, x, valid):
 
 
 def decode_per_sequence(decode_shared, w, state, x, step, valid):
-    """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis."""
+    """The decode counterpart of `prefill_per_sequence`: state carries a leading batch axis
+    (held kernel rows, `kernels.held_rows`, carry it after their layer axis)."""
     if x.shape[0] == 1:
-        row = jax.tree_util.tree_map(lambda a: a[0], state)
+        row = jax.tree_util.tree_map(lambda n: held_rows.row_of(n) if held_rows.held_rows(n) else n[0], state,
+                                     is_leaf=held_rows.held_rows)
         y, new_row, aux = decode_shared(w, row, x, step, valid)
         return y, _rows_restored(state, row, new_row), _with_row_axis(aux)
 
@@ -35,7 +39,10 @@ def decode_per_sequence(decode_shared, w, state, x, step, valid):
         y, new_state, aux = decode_shared(w, sb, xb[None], step, vb[None])
         return y[0], new_state, aux
 
-    return jax.vmap(one)(state, x, valid)
+    # the vmap maps each row's own rows: held rows' layer is taken out of the stack (a copy)
+    plain = jax.tree_util.tree_map(held_rows.layer_rows, state, is_leaf=held_rows.held_rows)
+    y, new_state, aux = jax.vmap(one)(plain, x, valid)
+    return y, _held_restored(state, plain, new_state), aux
 
 
 def _rows_restored(state, row, new_row):
@@ -48,6 +55,20 @@ def _rows_restored(state, row, new_row):
         return _with_row_axis(new_row)
     pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(row), leaves)
     return jax.tree_util.tree_unflatten(treedef, [a if n is r else n[None] for a, r, n in pairs])
+
+
+def _held_restored(state, plain, new_state):
+    """``new_state`` with the rows the step passed through (``plain``'s own) held again as in
+    ``state``, so that a scanned model keeps their stack (held_rows.release)."""
+    def back(given, taken, new):
+        if not held_rows.held_rows(given):
+            return new
+        before, after = jax.tree_util.tree_leaves(taken), jax.tree_util.tree_leaves(new)
+        return given if len(before) == len(after) and all(a is b for a, b in zip(after, before)) else new
+
+    if jax.tree_util.tree_structure(new_state) != jax.tree_util.tree_structure(plain):
+        return new_state
+    return jax.tree_util.tree_map(back, state, plain, new_state, is_leaf=held_rows.held_rows)
 
 
 def _with_row_axis(tree):

@@ -25,6 +25,7 @@ from popjax.methods.pop import POPPlan
 from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import GLOBAL_BAND, ExactScorer
 from popjax.kernels.int8 import Int8Weight, quantize
+from popjax.loaded import with_scanned_layers
 from popjax.models.interface import FFNWeights
 from tests.accelerators.kernel_paths import assert_kernel_path_equals_xla
 from tests.conftest import random_prompts
@@ -38,15 +39,21 @@ def _prompts(model, batch: int, seed: int = 0) -> list[list[int]]:
     return random_prompts(np.random.default_rng(seed), (9, 6)[:batch], model.config.vocab_size)
 
 
-# (family, batch, aggregate, block): both families, batch sizes and aggregates (the kernel under
-# vmap: per-sequence at batch 2), channel POP and block POP (the block kernel)
-CASES = [("llama", 1, "per_sequence", 1), ("llama", 2, "shared", 1), ("gemma3", 2, "per_sequence", 1), ("llama", 2, "shared", 8)]
+# (family, batch, aggregate, block, layout): both families, batch sizes and aggregates (the
+# kernel under vmap: per-sequence at batch 2), channel POP and block POP (the block kernel), and
+# the scanned model, whose kernels read C's rows held in the stacked state (`kernels.held_rows`:
+# a batch of one, a vmap over rows, block POP's block kernel)
+CASES = [("llama", 1, "per_sequence", 1, "unrolled"), ("llama", 2, "shared", 1, "unrolled"),
+         ("gemma3", 2, "per_sequence", 1, "unrolled"), ("llama", 2, "shared", 8, "unrolled"),
+         ("llama", 1, "per_sequence", 1, "scanned"), ("llama", 2, "per_sequence", 1, "scanned"),
+         ("llama", 1, "shared", 8, "scanned")]
 
 
-@pytest.mark.parametrize("family, batch, aggregate, block", CASES)
-def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block):
+@pytest.mark.parametrize("family, batch, aggregate, block, layout", CASES)
+def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block, layout):
     """`kernel_paths.assert_kernel_path_equals_xla`: the same greedy tokens and log-probs."""
     model = tiny_model if family == "llama" else request.getfixturevalue("gemma3")
+    model = with_scanned_layers(model) if layout == "scanned" else model
     prompts = _prompts(model, batch)
     xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, block=block, kernel="xla")
     pallas = dataclasses.replace(xla, kernel="pallas")

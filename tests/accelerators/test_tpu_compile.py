@@ -178,12 +178,15 @@ def test_scanned_pop_moves_about_the_unrolled_steps_bytes():
     things made it move 3.4× the unrolled bytes here (406 GiB against 9.3 on the 8B): a batch of
     one re-emitting its unchanged per-sequence state (a new stack per step, and XLA:TPU copied the
     whole stack in every layer trip), and compact copies of n_R = 6519 channels, which XLA:TPU
-    re-laid out for the loop, a whole copy per step (now padded to a multiple of 8)."""
+    re-laid out for the loop, a whole copy per step (now padded to a multiple of 8). A third,
+    the kernel's candidate rows sliced out of the stack per layer (1.43× here), is gone since the
+    scan holds them whole (`kernels.held_rows`): 1.19×."""
     cfg = config(hidden_size=512, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=2)
     report = tpu_compile(cfg, "v5e:1x1", ["pop"], [0.4], scan_layers=True, with_dense=False, prefill=False, **SHAPES)
     step = report["records"][0]["decode_step"]
-    # what is left: the kernel's candidate rows sliced out of the stack per layer, the cache write
-    assert step["unrolled_hbm_bytes"] <= step["hbm_bytes"] <= 1.6 * step["unrolled_hbm_bytes"]
+    # what is left at this size: XLA:TPU stages the layer's retained down copy into VMEM twice per
+    # layer trip (two slice-starts of it in the compiled loop)
+    assert step["unrolled_hbm_bytes"] <= step["hbm_bytes"] <= 1.3 * step["unrolled_hbm_bytes"]
 
 
 def test_pop_compiles_with_the_mosaic_kernel_on_one_chip(tmp_path):

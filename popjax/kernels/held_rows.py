@@ -1,0 +1,108 @@
+"""Kernel rows held in their stack: how a scanned model hands a method's state rows to a kernel
+without cutting its layer out first.
+
+A method whose decode step reads rows through a kernel keeps them in its state (POP's compact
+candidate copy, `ffn_layout.InputRows` [n_C, L, 128] per sequence). A scanned model stacks every
+layer's state [L, ...] and its ``lax.scan`` slices layer l's entry out per step; XLA fuses such
+a slice into the dots that read it, but a Pallas call takes whole operands, so XLA:TPU copied
+the layer's rows into a new buffer in every layer of every step (0.75 GiB per 8B decode step at
+POP 40%, in the compiled HLO: docs/tpu.md). So a scanned decode step holds the rows instead:
+
+* `hold` splits the stacked states into the part the scan slices and the rows, which it keeps
+  whole; each layer gets its rows back as *held rows* (the stack with ``layer`` set), which the
+  kernels read by offset ids (`ffn_layout.input_stack`, `ffn_layout.output_stack`): no copy;
+* `release` takes the rows back out of a layer's new state, and refuses a step that changed them
+  (a decode step reads its state's rows, it does not rewrite them);
+* `restore` puts the stacks back into the scanned states.
+
+A per-sequence plan sees the rows with their row axis inside the stack ([L, B, ...]): its batch
+of one takes the row as `row_of` (a bitcast), a wider batch takes the layer's own rows
+(`ffn_layout.layer_rows`) for its vmap (popjax.methods.per_sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .ffn_layout import InputRows, OutputRows
+
+
+def is_rows(node) -> bool:
+    """Whether ``node`` is kernel rows (`InputRows`, `OutputRows`): a node of a state tree."""
+    return isinstance(node, (InputRows, OutputRows))
+
+
+def held_rows(node) -> bool:
+    """Whether ``node`` is kernel rows of one layer held in their stack (``layer`` set)."""
+    return is_rows(node) and node.layer is not None
+
+
+def row_of(rows, row: int = 0):
+    """Held rows whose stack carries a row axis after the layer's ([S, B, ...]) -> the held rows
+    of one row (``[:, row]``: for a batch of one, a bitcast)."""
+    at = lambda a: None if a is None else a[:, row]  # noqa: E731
+    return rows._replace(values=at(rows.values), scale=at(rows.scale))
+
+
+def layer_rows(rows):
+    """Held rows -> their layer's own rows (a slice: a copy where a kernel reads it); other rows
+    as they are."""
+    if not held_rows(rows):
+        return rows
+    layer = jnp.clip(jnp.asarray(rows.layer, jnp.int32), 0, rows.values.shape[0] - 1)
+    at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+    return type(rows)(at(rows.values), at(rows.scale))
+
+
+class Held(NamedTuple):
+    """Stacked states split by `hold`: ``sliced`` (the tree's nodes, rows replaced by None: the
+    scan's per-layer input) and ``rows`` (the rows stacked [L, ...], else None), with ``treedef``."""
+
+    treedef: Any
+    sliced: list
+    rows: list
+
+
+def hold(states) -> Held | None:
+    """Stacked method states [L, ...] -> `Held`, or None when they hold no kernel rows (the scan
+    then slices the states as they are)."""
+    nodes, treedef = jax.tree_util.tree_flatten(states, is_leaf=is_rows)
+    if not any(is_rows(n) for n in nodes):
+        return None
+    return Held(treedef, [None if is_rows(n) else n for n in nodes], [n if is_rows(n) else None for n in nodes])
+
+
+def layer_state(held: Held, sliced: list, layer):
+    """Layer ``layer``'s state: its sliced nodes with every row node held at ``layer``."""
+    nodes = [s if r is None else r._replace(layer=layer) for s, r in zip(sliced, held.rows)]
+    return jax.tree_util.tree_unflatten(held.treedef, nodes)
+
+
+def release(held: Held, state, layer_state_in) -> list:
+    """A layer's new state -> its nodes with the rows replaced by None (the scan's per-layer
+    output). ValueError if the step changed the tree's structure or any held rows."""
+    nodes, treedef = jax.tree_util.tree_flatten(state, is_leaf=is_rows)
+    given = jax.tree_util.tree_flatten(layer_state_in, is_leaf=is_rows)[0]
+    if treedef != held.treedef:
+        raise ValueError("a decode step of a scanned model changed the structure of its method state: held kernel rows "
+                         "(popjax.kernels.held_rows) need the state a step returns shaped like the one it got")
+    out = []
+    for node, before, rows in zip(nodes, given, held.rows):
+        if rows is None:
+            out.append(node)
+            continue
+        same = all(a is b for a, b in zip(jax.tree_util.tree_leaves(node), jax.tree_util.tree_leaves(before)))
+        if not same:
+            raise ValueError("a decode step of a scanned model rewrote kernel rows of its method state: a scanned model "
+                             "holds them read-only in their stack (popjax.kernels.held_rows); use the unrolled model")
+        out.append(None)
+    return out
+
+
+def restore(held: Held, sliced: list):
+    """The scan's stacked per-layer outputs (``sliced``: rows None) with the held stacks put back."""
+    nodes = [s if r is None else r for s, r in zip(sliced, held.rows)]
+    return jax.tree_util.tree_unflatten(held.treedef, nodes)
