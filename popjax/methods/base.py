@@ -204,16 +204,17 @@ def masked_down(h: jax.Array, keep_idx: jax.Array, down: jax.Array) -> jax.Array
     return down_proj(h * keep, down)
 
 
-def score_prompt(w: FFNWeights, x: jax.Array, valid: jax.Array, n_keep: int):
+def score_prompt(w: FFNWeights, x: jax.Array, valid: jax.Array, n_keep: int, with_h: bool = False):
     """The common prefill of prompt-scored methods (docs/methods.md §2, "Prefill"): H on all f channels,
     importance over valid tokens, the ranking, and the layer output under the pruning structure
     (W_d applied to the top ``n_keep`` channels).
 
-    x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f])."""
+    x [B, T, d], valid [B, T] -> (y [B, T, d], order [f], importance [f]) (+ H [B, T, f] with ``with_h``)."""
     h = activations(w.gate_up, x, gate_activation(w))
     importance = prefill_importance(h, valid, w.down_norm)
     order = rank_channels(importance)
-    return masked_down(h, order[:n_keep], w.down), order, importance
+    out = (masked_down(h, order[:n_keep], w.down), order, importance)
+    return (*out, h) if with_h else out
 
 
 def dense_mlp(w: FFNWeights, x: jax.Array) -> jax.Array:

@@ -41,8 +41,26 @@ def ref_block_decode(W, R, C, x, m, b):
     return sum(H[..., [j]] * W["down"][j] for j in list(R) + selected), selected
 
 
-def _plan(f, n_keep, m, b, aggregate):
-    return POPPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, scorer=ExactScorer(block=b), band=BlockBand(b))
+def ref_coactive_order(W, X, valid, C, b):
+    """C laid out in blocks of co-active channels: each channel's prompt scores |H[t, c]|·‖W_d[:, c]‖
+    over the valid tokens, unit-normed; the first channel left (C is in importance order) takes the
+    b − 1 left whose profiles have the largest dot product with its own (ties: lower position)."""
+    H, dn = ref_hidden(W, X), ref_down_norms(W)
+    tokens = [(r, t) for r in range(X.shape[0]) for t in range(X.shape[1]) if valid[r, t]]
+    profiles = [np.array([abs(H[r, t, c]) * dn[c] for r, t in tokens]) for c in C]
+    unit = [p / np.linalg.norm(p) for p in profiles]
+    free, order = list(range(len(C))), []
+    while free:
+        seed = free[0]
+        others = sorted((p for p in free if p != seed), key=lambda p: (-float(unit[seed] @ unit[p]), p))
+        members = sorted([seed] + others[: b - 1])
+        order += members
+        free = [p for p in free if p not in members]
+    return [C[p] for p in order]
+
+
+def _plan(f, n_keep, m, b, aggregate, order="importance"):
+    return POPPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, scorer=ExactScorer(block=b), band=BlockBand(b, order))
 
 
 @pytest.mark.parametrize("f, n_keep_channels, gamma, b", [(96, 58, 0.3, 8), (96, 40, 0.5, 4), (96, 70, 0.2, 12), (64, 33, 1.0, 16)])
@@ -66,6 +84,30 @@ def test_block_pop_matches_the_reference(f, n_keep_channels, gamma, b):
             assert np.asarray(aux["selected"]).tolist() == selected
             blocks = [[C.index(c) for c in selected[i : i + b]] for i in range(0, m, b)]
             assert all(p == list(range(p[0], p[0] + b)) and p[0] % b == 0 for p in blocks)  # whole blocks of C
+
+
+@pytest.mark.parametrize("f, n_keep, gamma, b, aggregate", [(96, 58, 0.3, 8, "shared"), (96, 40, 0.5, 4, "per_sequence")])
+def test_coactivation_order_matches_the_reference(f, n_keep, gamma, b, aggregate):
+    """``block_order="coactivation"``: the partition is channel POP's, C is copied in the
+    reference's co-activation blocks, and a step selects whole blocks of that layout."""
+    rng = np.random.default_rng(f + b + 1)
+    d = 16
+    W = random_layer(rng, d, f)
+    X, valid = random_batch(rng, d, [7, 4], T=7)
+    m = ref_block_m(f, n_keep, gamma, b)
+    plan = _plan(f, n_keep, m, b, aggregate, order="coactivation")
+    _, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    x_t = rng.normal(0, 1.0, (2, 1, d))
+    y_t, _, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
+    rows = [slice(0, 2)] if aggregate == "shared" else [slice(0, 1), slice(1, 2)]
+    for r, row in enumerate(rows):
+        _, R, C, _ = ref_prefill(W, X[row], valid[row], n_keep, m)
+        laid_out = ref_coactive_order(W, X[row], valid[row], C, b)
+        got = state["candidate_idx"] if aggregate == "shared" else state["candidate_idx"][r]
+        assert sorted(laid_out) == sorted(C) and laid_out != C and np.asarray(got).tolist() == laid_out
+        y_ref, selected = ref_block_decode(W, R, laid_out, x_t[row], m, b)
+        np.testing.assert_allclose(np.asarray(y_t[row]), y_ref, atol=ATOL)
+        assert np.asarray(aux["selected"] if aggregate == "shared" else aux["selected"][r]).tolist() == selected
 
 
 @pytest.mark.parametrize("ratio, gamma, b", [(0.2, 0.1, 4), (0.4, 0.1, 8), (0.4, 0.3, 16), (0.1, 0.5, 12), (0.4, 0.2, 5)])
@@ -121,6 +163,8 @@ def test_block_one_is_channel_pop_and_blocks_generate(tiny_model):
     (dict(block=True), r"^block=True is invalid"),
     (dict(block=8, partition="per_shard"), r"^block=8 applies to partition='global' only"),
     (dict(block=4096), r"^block=4096 is wider than POP's band here \(m=\d+ candidates chosen per step for gamma=0.1"),
+    (dict(block=8, block_order="random"), r"^block_order='random' is not one of \('importance', 'coactivation'\)"),
+    (dict(block_order="coactivation"), r"^block_order='coactivation' applies to block > 1 \(block=1\)"),
 ])
 def test_bad_blocks_are_one_line(tiny_model, kwargs, message):
     with pytest.raises(MethodError, match=message):

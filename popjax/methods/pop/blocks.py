@@ -16,6 +16,9 @@ ranking order. Only the step's choice among C is coarser:
   of neighbouring prompt importance) scores the L2 norm of its channels' scores; the top m/b
   blocks are selected whole (`plan.top_candidates`).
 
+``block_order="coactivation"`` groups C's channels into blocks of channels that fired on the
+same prompt tokens instead of neighbours in importance (`coactive_blocks`).
+
 ``block=1`` is channel POP itself. `results/frontier/block_pop` measures the NLL cost per b. With
 a Pallas ``kernel`` the step reads its blocks through `popjax.kernels.decode_ffn.block_matvec`.
 """
@@ -24,8 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..base import MethodError, round_half_up
+import jax
+import jax.numpy as jnp
+
+from ..base import MethodError, check_choice, round_half_up
 from .plan import GlobalBand
+
+BLOCK_ORDERS = ("importance", "coactivation")  # how prefill lays C out into blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +42,15 @@ class BlockBand(GlobalBand):
     ``block`` candidates."""
 
     block: int = 128
+    order: str = "importance"
+
+    def __post_init__(self):
+        check_choice("block_order", self.order, BLOCK_ORDERS)
+
+    def candidate_order(self, w, h, valid, candidates):
+        if self.order == "importance":
+            return candidates
+        return candidates[coactive_blocks(h[..., candidates], valid, w.down_norm[candidates], self.block)]
 
     def selected(self, gamma, f, n_keep):
         b = self.block
@@ -45,3 +62,28 @@ class BlockBand(GlobalBand):
                 f"f={f}, n_keep={n_keep}): use a block of at most {channel_m} or a larger gamma"
             )
         return m
+
+
+def coactive_blocks(h: jax.Array, valid: jax.Array, down_norm: jax.Array, block: int) -> jax.Array:
+    """C's prompt activations h [B, T, n] (n a multiple of ``block``, C in importance order),
+    valid [B, T], ‖W_d[:, c]‖ [n] -> a permutation [n] of C's positions in blocks of co-active
+    channels. Each channel's profile is its prompt scores |h_c|·‖W_d[:, c]‖ over the valid
+    tokens, scaled to unit norm; greedily, the most important channel left seeds a block and
+    takes the ``block`` − 1 channels left whose profiles are the most alike (cosine), so a block
+    holds channels that fired on the same tokens. n/b rounds of a top-k over n; the [n, n]
+    similarities are prefill's only."""
+    n = h.shape[-1]
+    scores = jnp.abs(h.astype(jnp.float32)) * down_norm.astype(jnp.float32) * valid[..., None]
+    profiles = scores.reshape(-1, n)
+    profiles = profiles / (jnp.linalg.norm(profiles, axis=0) + 1e-12)
+    alike = profiles.T @ profiles  # [n, n], in [0, 1]
+
+    def one_block(k, carry):
+        free, order = carry
+        seed = jnp.argmax(free)  # the first free position: the most important channel left
+        affinity = jnp.where(free, alike[seed], -jnp.inf).at[seed].set(jnp.inf)
+        members = jnp.sort(jax.lax.top_k(affinity, block)[1]).astype(jnp.int32)
+        return free.at[members].set(False), jax.lax.dynamic_update_slice(order, members, (k * block,))
+
+    start = (jnp.ones(n, bool), jnp.zeros(n, jnp.int32))
+    return jax.lax.fori_loop(0, n // block, one_block, start)[1]

@@ -22,7 +22,7 @@ from ... import kernels
 from ...models.config import ModelConfig
 from ..base import DensePlan, MethodError, Plan, RatioMethod, check_block, check_gamma, kept_channels, round_half_up
 from ..prompt_tokens import check_prompt_tokens
-from .blocks import BlockBand
+from .blocks import BLOCK_ORDERS, BlockBand
 from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
 from .sharded import POPShardedPlan
 
@@ -112,6 +112,9 @@ class POP(POPPreset):
         selects its m candidates in whole blocks of b consecutive rows of the prefill's compact
         candidate copy (C in prompt-importance order), m rounded to whole blocks (blocks.py):
         what the block kernel fetches, one contiguous copy per block. The partition is channel POP's.
+      block_order: how prefill lays C out into those blocks: "importance" (default: neighbours
+        in prompt importance) or "coactivation" (channels that fired on the same prompt tokens,
+        blocks.coactive_blocks); block > 1 only.
     """
 
     name: ClassVar[str] = "pop"
@@ -119,6 +122,7 @@ class POP(POPPreset):
     shards: int | None = dataclasses.field(default=None, kw_only=True)
     weights: str = dataclasses.field(default="compact", kw_only=True)
     block: int = dataclasses.field(default=1, kw_only=True)
+    block_order: str = dataclasses.field(default="importance", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -133,6 +137,9 @@ class POP(POPPreset):
         check_block(self.block)
         if self.block > 1 and self.partition != "global":
             raise MethodError(f"block={self.block} applies to partition='global' only (partition={self.partition!r})")
+        check_choice("block_order", self.block_order, BLOCK_ORDERS)
+        if self.block_order != "importance" and self.block == 1:
+            raise MethodError(f"block_order={self.block_order!r} applies to block > 1 (block={self.block})")
 
     def kernel_refusal(self) -> str:
         if self.weights == "compact" and self.partition == "global":
@@ -140,7 +147,7 @@ class POP(POPPreset):
         return f"is wired for weights='compact', partition='global' only (weights={self.weights!r}, partition={self.partition!r})"
 
     def band_rule(self) -> BandRule:
-        return GLOBAL_BAND if self.block == 1 else BlockBand(self.block)
+        return GLOBAL_BAND if self.block == 1 else BlockBand(self.block, self.block_order)
 
     def candidate_scorer(self, f, n_keep, m):
         return ExactScorer(gather=self.weights == "gather", block=self.block)

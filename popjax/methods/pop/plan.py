@@ -228,10 +228,16 @@ class BandRule:
 
     def prefill(self, plan: "POPPlan", w, x, valid):
         """x [B, T, d], valid [B, T] -> (y [B, T, d], partition state, {"importance": [f]})."""
-        y, order, importance = score_prompt(w, x, valid, plan.n_keep)
+        y, order, importance, h = score_prompt(w, x, valid, plan.n_keep, with_h=True)
         n_r, n_c = plan.n_retained, plan.n_candidates
-        state = plan.scorer.prefill_state(plan, w, x, valid, order[:n_r], order[n_r : n_r + n_c])
+        candidates = self.candidate_order(w, h, valid, order[n_r : n_r + n_c])
+        state = plan.scorer.prefill_state(plan, w, x, valid, order[:n_r], candidates)
         return y, state, {"importance": importance}
+
+    def candidate_order(self, w, h, valid, candidates: jax.Array) -> jax.Array:
+        """C's channel ids [n_C] in the order prefill copies them: prompt importance (this rule;
+        block POP may group co-active channels, blocks.py), from H [B, T, f] over valid [B, T]."""
+        return candidates
 
     def decode(self, plan: "POPPlan", w, state, x, valid):
         return plan.scorer.decode(plan, w, state, x, valid)
