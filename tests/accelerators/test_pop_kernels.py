@@ -46,13 +46,21 @@ def _prompts(model, batch: int, seed: int = 0) -> list[list[int]]:
 CASES = [("llama", 1, "per_sequence", 1, "unrolled"), ("llama", 2, "shared", 1, "unrolled"),
          ("gemma3", 2, "per_sequence", 1, "unrolled"), ("llama", 2, "shared", 8, "unrolled"),
          ("llama", 1, "per_sequence", 1, "scanned"), ("llama", 2, "per_sequence", 1, "scanned"),
-         ("llama", 1, "shared", 8, "scanned")]
+         ("llama", 1, "shared", 8, "scanned"), ("llama_int8", 1, "per_sequence", 1, "scanned"),
+         ("gemma3", 1, "per_sequence", 8, "scanned")]
+
+
+@pytest.fixture(scope="module")
+def llama_int8(tiny_checkpoints):
+    """The tiny LLaMA with int8 weights and float activations (the kernels' int8 form)."""
+    directory, _ = tiny_checkpoints("llama-gqa")
+    return popjax.load(directory, cache=False, weights="int8", activations="float")
 
 
 @pytest.mark.parametrize("family, batch, aggregate, block, layout", CASES)
 def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block, layout):
     """`kernel_paths.assert_kernel_path_equals_xla`: the same greedy tokens and log-probs."""
-    model = tiny_model if family == "llama" else request.getfixturevalue("gemma3")
+    model = tiny_model if family == "llama" else request.getfixturevalue(family)
     model = with_scanned_layers(model) if layout == "scanned" else model
     prompts = _prompts(model, batch)
     xla = popjax.POP(ratio=0.4, gamma=0.2, aggregate=aggregate, block=block, kernel="xla")
