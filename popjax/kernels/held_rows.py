@@ -57,6 +57,13 @@ def layer_rows(rows):
     return type(rows)(at(rows.values), at(rows.scale))
 
 
+def passed_through(new, given) -> bool:
+    """Whether the tree ``new`` a step returned is ``given`` itself, leaf for leaf (the same
+    arrays, not equal ones: a step that passes its rows through returns its input tracers)."""
+    after, before = jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(given)
+    return len(after) == len(before) and all(a is b for a, b in zip(after, before))
+
+
 class Held(NamedTuple):
     """Stacked states split by `hold`: ``sliced`` (the tree's nodes, rows replaced by None: the
     scan's per-layer input) and ``rows`` (the rows stacked [L, ...], else None), with ``treedef``."""
@@ -94,8 +101,7 @@ def release(held: Held, state, layer_state_in) -> list:
         if rows is None:
             out.append(node)
             continue
-        same = all(a is b for a, b in zip(jax.tree_util.tree_leaves(node), jax.tree_util.tree_leaves(before)))
-        if not same:
+        if not passed_through(node, before):
             raise ValueError("a decode step of a scanned model rewrote kernel rows of its method state: a scanned model "
                              "holds them read-only in their stack (popjax.kernels.held_rows); use the unrolled model")
         out.append(None)

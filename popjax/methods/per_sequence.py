@@ -61,10 +61,7 @@ def _held_restored(state, plain, new_state):
     """``new_state`` with the rows the step passed through (``plain``'s own) held again as in
     ``state``, so that a scanned model keeps their stack (held_rows.release)."""
     def back(given, taken, new):
-        if not held_rows.held_rows(given):
-            return new
-        before, after = jax.tree_util.tree_leaves(taken), jax.tree_util.tree_leaves(new)
-        return given if len(before) == len(after) and all(a is b for a, b in zip(after, before)) else new
+        return given if held_rows.held_rows(given) and held_rows.passed_through(new, taken) else new
 
     if jax.tree_util.tree_structure(new_state) != jax.tree_util.tree_structure(plain):
         return new_state
