@@ -5,11 +5,12 @@ any memory: a weight it stages into VMEM before a matrix-vector product is count
 reads it from HBM, again when the copy writes it to VMEM, and again when the dot reads it there
 (docs/tpu.md: a decode step's "bytes accessed" is 1.5-2x its weights). The optimized HLO says
 where every buffer lives: a layout's ``S(n)`` is its memory space, none (0) being HBM, 1 VMEM,
-2 and above the scalar and semaphore memories. ``hbm_traffic(hlo_text)`` walks the program's
-schedule and counts only what crosses HBM:
+2 and above the scalar and semaphore memories (`hlo_text` parses it). ``hbm_traffic(hlo_text)``
+walks the program's schedule and counts only what crosses HBM:
 
 * a fusion reads the HBM operands it uses (a parameter the fused code only slices or gathers
-  from counts the pieces it takes, one updated in place counts nothing) and writes its HBM
+  from counts the pieces it takes, one updated in place counts nothing, one a nested fusion only
+  bitcasts is followed to that fusion's users: a convolution's weight at batch > 1) and writes its HBM
   results (an in-place update writes only the update);
 * an asynchronous copy or slice (``copy-start``, ``slice-start``: XLA:TPU's staging into VMEM)
   counts its HBM side once;
@@ -29,166 +30,19 @@ caches; it is what a step would move were it bound by HBM alone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
 import sys
 from pathlib import Path
-from typing import Iterator
 
-_ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-_HEADER = re.compile(r"^(ENTRY )?%([^\s(]+) \(")
-_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([^\s=]+) = (.*)$")
+from .hlo_text import Array, Computation, Instruction, called, parse_module
+
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "domain"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
 # custom calls that move no data: an allocation, a concatenation by buffer placement, an assertion on indices
 _FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-    """One array leaf of an instruction's type: element type, dims, memory space (0 = HBM)."""
-
-    dtype: str
-    dims: tuple[int, ...]
-    space: int
-
-    @property
-    def bytes(self) -> float:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return n * _ITEM_BYTES.get(self.dtype, 1 if self.dtype.startswith("f8") else 0)
-
-    @property
-    def in_hbm(self) -> bool:
-        return self.space == 0
-
-
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    opcode: str
-    leaves: list[Array]
-    operands: list[str]
-    attrs: str
-    root: bool
-
-
-@dataclasses.dataclass
-class Computation:
-    name: str
-    instructions: dict[str, Instruction]
-
-    @property
-    def root(self) -> Instruction:
-        return next(i for i in self.instructions.values() if i.root)
-
-    def parameter(self, index: int) -> Instruction:
-        return next(i for i in self.instructions.values() if i.opcode == "parameter" and i.attrs.startswith(f"{index})"))
-
-    def users(self, name: str) -> Iterator[Instruction]:
-        return (i for i in self.instructions.values() if name in i.operands)
-
-
-def _leaves(type_text: str) -> list[Array]:
-    out = []
-    for dtype, dims, layout in _ARRAY.findall(type_text):
-        space = re.search(r"S\((\d+)\)", layout or "")
-        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
-    return out
-
-
-def _balanced(text: str, start: int) -> int:
-    """The index just past the parenthesis group that opens at ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    raise ValueError(f"unbalanced parentheses in HLO: {text[start:start + 80]!r}")
-
-
-def _instruction(line: str) -> Instruction | None:
-    m = _INSTRUCTION.match(line)
-    if m is None:
-        return None
-    root, name, rest = m.groups()
-    end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
-    type_text, rest = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([a-z][a-z0-9-]*)\(", rest)
-    if op is None:
-        return None
-    close = _balanced(rest, op.end() - 1)
-    operand_text = rest[op.end():close - 1]
-    attrs = rest[close:].lstrip(", ")
-    if op.group(1) in ("parameter", "constant"):
-        attrs = operand_text + ")" + attrs  # "N)…": the parameter's index, the constant's literal first
-    return Instruction(name, op.group(1), _leaves(type_text), re.findall(r"%([^\s,()]+)", operand_text), attrs,
-                       root is not None)
-
-
-def _statements(text: str) -> Iterator[str]:
-    """The module's lines, an instruction whose backend config spans several lines (a Pallas
-    call's pretty-printed JSON) joined into one: a line continues while its brackets are open."""
-    pending, depth = "", 0
-    for line in text.splitlines():
-        if not pending and (_HEADER.match(line) or line.startswith("}")):
-            yield line
-            continue
-        pending = f"{pending} {line.strip()}" if pending else line
-        depth += _depth_change(line)
-        if depth <= 0:
-            yield pending
-            pending, depth = "", 0
-    if pending:
-        yield pending
-
-
-def _depth_change(line: str) -> int:
-    """Opened minus closed brackets of ``line``, outside string literals."""
-    change, quoted, escaped = 0, False, False
-    for ch in line:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-        elif not quoted:
-            change += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
-    return change
-
-
-def parse_module(text: str) -> tuple[dict[str, Computation], str]:
-    """An optimized HLO module's computations by name, and the entry computation's name."""
-    computations: dict[str, Computation] = {}
-    entry, current = None, None
-    for line in _statements(text):
-        header = _HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            current = Computation(header.group(2), {})
-            computations[current.name] = current
-            if header.group(1):
-                entry = current.name
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            ins = _instruction(line)
-            if ins is not None:
-                current.instructions[ins.name] = ins
-    if entry is None:
-        raise ValueError("the HLO text holds no ENTRY computation")
-    return computations, entry
-
-
-def _called(attrs: str, key: str) -> list[str]:
-    m = re.search(key + r"=\{?([^}]*?)\}?(?:, [a-z_]+=|$)", attrs)
-    return re.findall(r"%([^\s,{}]+)", m.group(1)) if m else []
 
 
 def _declared_bytes(attrs: str) -> float | None:
@@ -216,16 +70,16 @@ class _Counter:
         if op in _FREE or op.endswith("-done"):
             return 0.0
         if op == "while":
-            body = _called(ins.attrs, "body")[0]
-            trips = (_loop_trips(self.computations, self.computations[_called(ins.attrs, "condition")[0]],
+            body = called(ins.attrs, "body")[0]
+            trips = (_loop_trips(self.computations, self.computations[called(ins.attrs, "condition")[0]],
                                  self.computations[body])
                      or _buffer_trips(self.computations, self.computations[body]))
             if trips is None:
                 self.unknown_loops += 1
             return self.computation(body, times * (trips or self.loop_trips))
         if op == "conditional":
-            branches = _called(ins.attrs, "branch_computations") or (
-                _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+            branches = called(ins.attrs, "branch_computations") or (
+                called(ins.attrs, "true_computation") + called(ins.attrs, "false_computation"))
             costs = []
             for branch in branches:  # the costliest branch, each counted without recording it first
                 probe = _Counter(self.computations, self.loop_trips)
@@ -237,7 +91,7 @@ class _Counter:
                 self.unknown_loops += probe.unknown_loops
             return cost
         if op == "call":
-            return self.computation(_called(ins.attrs, "to_apply")[0], times)
+            return self.computation(called(ins.attrs, "to_apply")[0], times)
         operands = [comp.instructions[o] for o in ins.operands if o in comp.instructions]
         if op == "fusion":
             return self.add("fusion", self.fusion(ins, operands), times)
@@ -259,7 +113,7 @@ class _Counter:
         return self.add(op, read + sum(leaf.bytes for leaf in _results(ins, operands) if leaf.in_hbm), times)
 
     def fusion(self, ins: Instruction, operands: list[Instruction]) -> float:
-        fused = self.computations[_called(ins.attrs, "calls")[0]]
+        fused = self.computations[called(ins.attrs, "calls")[0]]
         root = fused.root
         root_parts = [fused.instructions[o] for o in root.operands] if root.opcode == "tuple" else [root]
         in_place = {p.name for p in root_parts if p.opcode == "dynamic-update-slice"}
@@ -317,9 +171,12 @@ def _used_bytes(computations: dict[str, Computation], fused: Computation, param:
                 if pieces is not None:
                     pieces.append(user.leaves[0].dims)
             elif user.opcode == "fusion":
-                nested = computations[_called(user.attrs, "calls")[0]]
-                used += sum(_used_bytes(computations, nested, nested.parameter(i).name, whole, set(), pieces)
-                            for i, operand in enumerate(user.operands) if operand == name)
+                nested = computations[called(user.attrs, "calls")[0]]
+                positions = [i for i, operand in enumerate(user.operands) if operand == name]
+                if any(_bitcast_of(nested, i) for i in positions):
+                    names.append(user.name)  # a nested fusion that only bitcasts it: follow its users
+                    continue
+                used += sum(_used_bytes(computations, nested, nested.parameter(i).name, whole, set(), pieces) for i in positions)
             elif user.opcode == "dynamic-update-slice" and user.operands[0] == name and user.name in in_place:
                 continue
             elif _is_pallas(user) and _declared_bytes(user.attrs) is not None:
@@ -327,6 +184,15 @@ def _used_bytes(computations: dict[str, Computation], fused: Computation, param:
             else:
                 return whole
     return min(used, whole)
+
+
+def _bitcast_of(fused: Computation, index: int) -> bool:
+    """Whether ``fused`` returns its parameter ``index`` bitcast (XLA:TPU wraps a convolution's
+    weight so, at batch > 1), and nothing else."""
+    root = fused.root
+    while root.opcode == "bitcast":
+        root = fused.instructions[root.operands[0]]
+    return root.opcode == "parameter" and root.name == fused.parameter(index).name
 
 
 def _loop_trips(computations: dict[str, Computation], cond: Computation, body: Computation) -> int | None:
@@ -361,7 +227,7 @@ def _buffer_trips(computations: dict[str, Computation], body: Computation) -> in
     for ins in body.instructions.values():
         if ins.opcode != "fusion":
             continue
-        fused = computations[_called(ins.attrs, "calls")[0]]
+        fused = computations[called(ins.attrs, "calls")[0]]
         for index, name in enumerate(ins.operands):
             operand = body.instructions.get(name)
             if operand is None or operand.opcode != "get-tuple-element" or not _first_leaf(operand).in_hbm:

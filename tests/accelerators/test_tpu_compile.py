@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from popjax import libtpu_env
-from popjax.analysis.hbm_traffic import parse_module
+from popjax.analysis.hlo_text import parse_module
 from popjax.analysis.topologies import CHIPS, GiB, LibTPUMissing, resolve_topology
 from popjax.analysis.tpu_compile import check_fit, resolve_model, tpu_compile
 from popjax.analysis.tpu_report import format_report
