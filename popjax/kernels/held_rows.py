@@ -16,8 +16,9 @@ POP 40%, in the compiled HLO: docs/tpu.md). So a scanned decode step holds the r
 * `restore` puts the stacks back into the scanned states.
 
 A per-sequence plan sees the rows with their row axis inside the stack ([L, B, ...]): its batch
-of one takes the row as `row_of` (a bitcast), a wider batch takes the layer's own rows
-(`ffn_layout.layer_rows`) for its vmap (popjax.methods.per_sequence).
+of one takes the row as `row_of` (a bitcast); a wider batch maps its step over the rows with the
+stack flattened to [L·B, ...] (a bitcast) and left unmapped, each row's rows held at their own
+offset (`per_row`, `row_axes`; popjax.methods.per_sequence), so no row's rows are copied out.
 """
 
 from __future__ import annotations
@@ -47,14 +48,39 @@ def row_of(rows, row: int = 0):
     return rows._replace(values=at(rows.values), scale=at(rows.scale))
 
 
-def layer_rows(rows):
-    """Held rows -> their layer's own rows (a slice: a copy where a kernel reads it); other rows
-    as they are."""
-    if not held_rows(rows):
-        return rows
-    layer = jnp.clip(jnp.asarray(rows.layer, jnp.int32), 0, rows.values.shape[0] - 1)
-    at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
-    return type(rows)(at(rows.values), at(rows.scale))
+def per_row(rows, batch: int):
+    """Held rows whose stack carries a row axis after the layer's ([S, B, ...]) -> held rows of a
+    flat stack [S·B, ...] (a bitcast) with ``layer`` [B], each row's offset (layer·B + row): what
+    a vmap over the rows maps with `row_axes` (the stack unmapped, the offsets mapped)."""
+    flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
+    layer = jnp.asarray(rows.layer, jnp.int32) * batch + jnp.arange(batch, dtype=jnp.int32)
+    return type(rows)(flat(rows.values), flat(rows.scale), layer)
+
+
+def row_axes(rows):
+    """The vmap axes of `per_row`'s rows: the stack unmapped, the row's offset mapped."""
+    return type(rows)(None, None, 0)
+
+
+def without_passed_rows(new, given):
+    """A mapped step's new state with each held rows node it passed through (``given``'s own)
+    replaced by None, so that the map returns no copy of the stack; see `with_held_rows`."""
+    nodes, treedef = jax.tree_util.tree_flatten(new, is_leaf=is_rows)
+    before, given_def = jax.tree_util.tree_flatten(given, is_leaf=is_rows)
+    if treedef != given_def:
+        return new
+    kept = [None if held_rows(b) and passed_through(n, b) else n for n, b in zip(nodes, before)]
+    return jax.tree_util.tree_unflatten(treedef, kept)
+
+
+def with_held_rows(state, new):
+    """`without_passed_rows`'s result after the map, with ``state``'s held rows back where it put None."""
+    rows_or_none = lambda n: n is None or is_rows(n)  # noqa: E731
+    nodes, treedef = jax.tree_util.tree_flatten(state, is_leaf=rows_or_none)
+    returned, new_def = jax.tree_util.tree_flatten(new, is_leaf=rows_or_none)
+    if new_def != treedef:
+        return new
+    return jax.tree_util.tree_unflatten(treedef, [s if r is None and held_rows(s) else r for s, r in zip(nodes, returned)])
 
 
 def passed_through(new, given) -> bool:

@@ -35,14 +35,18 @@ def decode_per_sequence(decode_shared, w, state, x, step, valid):
         y, new_row, aux = decode_shared(w, row, x, step, valid)
         return y, _rows_restored(state, row, new_row), _with_row_axis(aux)
 
-    def one(sb, xb, vb):  # vmap returns a leaf the step passed through as the input array itself
+    def one(sb, xb, vb):  # held rows the step passed through do not leave the map (no copy of their stack)
         y, new_state, aux = decode_shared(w, sb, xb[None], step, vb[None])
-        return y[0], new_state, aux
+        return y[0], held_rows.without_passed_rows(new_state, sb), aux
 
-    # the vmap maps each row's own rows: held rows' layer is taken out of the stack (a copy)
-    plain = jax.tree_util.tree_map(held_rows.layer_rows, state, is_leaf=held_rows.held_rows)
-    y, new_state, aux = jax.vmap(one)(plain, x, valid)
-    return y, _held_restored(state, plain, new_state), aux
+    # the map takes each row's held rows at its own offset of the flattened stack, unmapped (held_rows.per_row)
+    batch = x.shape[0]
+    rows = jax.tree_util.tree_map(lambda n: held_rows.per_row(n, batch) if held_rows.held_rows(n) else n, state,
+                                  is_leaf=held_rows.held_rows)
+    axes = jax.tree_util.tree_map(lambda n: held_rows.row_axes(n) if held_rows.held_rows(n) else 0, state,
+                                  is_leaf=held_rows.held_rows)
+    y, new_state, aux = jax.vmap(one, in_axes=(axes, 0, 0))(rows, x, valid)
+    return y, held_rows.with_held_rows(state, new_state), aux
 
 
 def _rows_restored(state, row, new_row):
@@ -55,17 +59,6 @@ def _rows_restored(state, row, new_row):
         return _with_row_axis(new_row)
     pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(row), leaves)
     return jax.tree_util.tree_unflatten(treedef, [a if n is r else n[None] for a, r, n in pairs])
-
-
-def _held_restored(state, plain, new_state):
-    """``new_state`` with the rows the step passed through (``plain``'s own) held again as in
-    ``state``, so that a scanned model keeps their stack (held_rows.release)."""
-    def back(given, taken, new):
-        return given if held_rows.held_rows(given) and held_rows.passed_through(new, taken) else new
-
-    if jax.tree_util.tree_structure(new_state) != jax.tree_util.tree_structure(plain):
-        return new_state
-    return jax.tree_util.tree_map(back, state, plain, new_state, is_leaf=held_rows.held_rows)
 
 
 def _with_row_axis(tree):

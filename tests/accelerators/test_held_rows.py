@@ -83,14 +83,21 @@ def test_row_dots_read_held_rows_as_the_layers_own(platform, int8):
     np.testing.assert_allclose(np.asarray(call(held)), np.asarray(call(own)), atol=1e-5, rtol=1e-5)
 
 
-def test_layer_rows_and_row_of():
-    """`layer_rows` slices the layer out (what a vmap over rows takes); `row_of` a row of a
-    per-sequence stack [S, B, ...] keeps the rows held."""
-    held, own = _stack("input", True)
-    plain = held_rows.layer_rows(held)
-    assert plain.layer is None and np.array_equal(np.asarray(plain.values), np.asarray(own.values))
-    per_row = held._replace(values=held.values[:, None], scale=held.scale[:, None])
-    row = held_rows.row_of(per_row)
+def test_per_row_and_row_of():
+    """`per_row` flattens a per-sequence stack [S, B, ...] (a bitcast) and gives each row its
+    offset, layer·B + row (what a vmap over rows maps, the stack unmapped): a kernel reads there
+    that row's own rows; `row_of` a row of it keeps the rows held."""
+    held, _ = _stack("input", True)
+    per_seq = held._replace(values=jnp.stack([held.values, held.values + 1], 1), scale=jnp.stack([held.scale, held.scale], 1))
+    flat = held_rows.per_row(per_seq, 2)
+    assert flat.values.shape == (2 * S, *held.values.shape[1:]) and np.asarray(flat.layer).tolist() == [2 * LAYER, 2 * LAYER + 1]
+    x, ids = jnp.ones((1, K), jnp.float32), jnp.arange(K, dtype=jnp.int32)
+    read = lambda rows: matvec_tpu.gather_matvec(x, rows, ids, out_features=N, chunk=4, interpret=True)  # noqa: E731
+    for r in range(2):
+        own = InputRows(per_seq.values[LAYER, r], per_seq.scale[LAYER, r])
+        np.testing.assert_array_equal(np.asarray(read(flat._replace(layer=flat.layer[r]))), np.asarray(read(own)))
+    assert held_rows.row_axes(flat) == InputRows(None, None, 0)
+    row = held_rows.row_of(per_seq)
     assert held_rows.held_rows(row) and row.values.shape == held.values.shape
 
 
@@ -130,6 +137,22 @@ def test_the_scanned_step_passes_the_candidate_rows_to_the_layer_scan_whole(tiny
     shape = tuple(rows.values.shape)
     assert any(tuple(v.aval.shape) == shape for v in consts)
     assert not any(tuple(v.aval.shape) == shape for v in xs)
+    # inside the layer the kernel reads the whole stack as rows [L·B·n_C, L', 128] (a bitcast; per row at its
+    # own offset under the vmap over rows at batch 2), not a copy of the layer's or the row's rows
+    flat = (shape[0] * shape[1] * shape[2], *shape[3:])
+    calls = [e for e in _equations(layer_scan.params["jaxpr"].jaxpr) if e.primitive.name == "pallas_call"]
+    assert calls and all(any(tuple(v.aval.shape) == flat for v in e.invars) for e in calls), [
+        [tuple(v.aval.shape) for v in e.invars] for e in calls]
     new = jax.jit(step)(model.params, state)["down_candidates"]
     assert isinstance(new, InputRows) and new.layer is None and np.array_equal(np.asarray(new.values), np.asarray(rows.values))
 
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    yield from _equations(inner if hasattr(inner, "eqns") else inner.jaxpr)
