@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import CHIPS, resolve_topology
 from popjax.files import write_json_atomic
-from popjax.kernels import ffn_layout, ffn_tpu, traffic
+from popjax.kernels import block_slab, ffn_layout, ffn_tpu, traffic
 
 log = logging.getLogger("kernels_compile")
 S = jax.ShapeDtypeStruct
@@ -62,7 +62,7 @@ def kernel_call(kind: str, shape: dict, ratio: float, batch: int, w_dtype: str):
     if kind == "block":
         nb = f // BLOCK
         n = max(1, round(nb * (1 - ratio)))
-        slab = ffn_layout.BlockSlab(S((nb, 3, BLOCK, d), w_dtype), *_scales(int8, (nb, 2, BLOCK), (1, d)))
+        slab = block_slab.BlockSlab(S((nb, 3, BLOCK, d), w_dtype), *_scales(int8, (nb, 2, BLOCK), (1, d)))
         est = ffn_tpu.block_vmem_bytes(batch, BLOCK, d, w_dtype, jnp.bfloat16, masked=batch > 1)
         mask = [S((batch, nb), jnp.bool_)] if batch > 1 else []
         fn = lambda x, s, i, *m: ffn_tpu.block_ffn(x, s, i, *m, act=act, vmem_limit_bytes=est)  # noqa: E731

@@ -5,8 +5,9 @@ functional interfaces, so that a faster kernel for one platform drops in at one 
   cached layer runs, over a block reader (a layer's cache, a ring, a scanned model's stack).
 * `int8`: the int8 weight format (`Int8Weight`: int8 values, per-output-channel scales) and
   its dot forms (`dot`: weight-only or int8 activations, two passes for outlier-heavy inputs).
-* `ffn_layout`: the decode-FFN kernels' weight layouts (`BlockSlab`, `ChannelRows`,
-  `InputRows`, `OutputRows`); `selection` how a choice of rows becomes what a kernel reads;
+* `ffn_layout`: the decode-FFN kernels' weight layouts (`ChannelRows`, `InputRows`,
+  `OutputRows`; the block slab in `block_slab`); `held_rows` a scanned model's stacked rows;
+  `selection` how a choice of rows becomes what a kernel reads;
   `traffic` the bytes each moves per call; `ffn_tpu` (Mosaic: `block_ffn`, `gather_ffn`),
   `matvec_tpu` (`gather_matvec`, `values_matvec`, `block_matvec`, `masked_matvec`,
   `gather_row_dots`) and `ffn_gpu` (Triton: the same) read only the weight rows or blocks a

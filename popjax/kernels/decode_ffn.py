@@ -7,7 +7,8 @@ single rows (channel POP's selected candidates), `block_matvec` whole blocks of 
 (block POP's), `masked_matvec` the rows of a mask's active inputs (TEAL's), `gated_ffn` the up
 and down rows of the channels a mask keeps, given their gate values (CATS's), `gather_row_dots`
 single output rows (gate-scored and shortlisted POP's up rows of the candidates they score) and
-`values_matvec` the rows of inputs whose values the step computed for them alone (their down rows).
+`values_matvec` the rows of inputs whose values the step computed for them alone (their down rows),
+and `block_ffn` gate, up and down of whole blocks of channels from a block slab (block static's).
 
 On a mesh of several devices (the jit's abstract mesh) the kernel runs on every device under
 ``shard_map`` with every operand replicated: POP's candidate rows are held whole by each device
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import RESOLVED, TPU_KERNELS, ffn_gpu, ffn_tpu, matvec_tpu
+from .block_slab import BlockSlab
 from .ffn_layout import MAX_BATCH, ChannelRows, InputRows, OutputRows, check_block
-from .selection import counted_blocks
+from .selection import counted_blocks, union_of_rows
 
 
 def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
@@ -104,6 +106,24 @@ def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Arra
     if kernel not in ("pallas-gpu", *TPU_KERNELS):
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
     return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32), gate)
+
+
+def block_ffn(x: jax.Array, slab: BlockSlab, blocks: jax.Array, *, layer, act: str, kernel: str) -> jax.Array:
+    """y [B, d] = the FFN of x [B, d] over whole blocks of channels of ``slab``
+    (`block_slab.BlockSlab`: one [nb, 3, b, d], or a stack read at ``layer``) by the Pallas
+    ``kernel``: ``blocks`` [k] (every row's) or [B, k] (each row its own, served as their
+    union with a per-row mask: a block two rows chose is fetched once)."""
+    run = platform_call(kernel, ffn_gpu.block_ffn, ffn_tpu.block_ffn, act=act)
+
+    def call(x, slab, blocks, layer):
+        if blocks.ndim == 1:
+            return run(x, slab, blocks, layer=layer)
+        rows = jnp.arange(x.shape[0])[:, None]
+        row_mask = jnp.zeros((x.shape[0], slab.values.shape[-4]), bool).at[rows, blocks].set(True)
+        ids, count = union_of_rows(row_mask, min(row_mask.shape[1], blocks.size))
+        return run(x, slab, ids, row_mask, count=count, layer=layer)
+
+    return per_device(_in_row_chunks(call))(x, slab, blocks, None if layer is None else jnp.asarray(layer, jnp.int32))
 
 
 def _in_row_chunks(call):

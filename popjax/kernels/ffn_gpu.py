@@ -27,15 +27,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .block_slab import BlockSlab, check_slab, slab_view
 from .ffn_layout import (
-    BlockSlab,
     ChannelRows,
     InputRows,
     OutputRows,
     activation,
     check_channel_rows,
     check_gate,
-    check_slab,
     input_stack,
     masked_selection,
     output_stack,
@@ -199,19 +198,22 @@ def block_ffn(
     *,
     count: int | jax.Array | None = None,
     act: str = "silu",
+    layer: jax.Array | int | None = None,
     interpret: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
-    """`ffn_tpu.block_ffn` on a GPU: x [B, d], slab values [nb, 3, b, d], block_ids [n]
-    (+ count, + row_mask [B, nb]) -> y [B, d]."""
-    nb, b, d = check_slab(slab, x, act)
+    """`ffn_tpu.block_ffn` on a GPU: x [B, d], slab values [nb, 3, b, d] (or a stack
+    [S, nb, 3, b, d] read at ``layer``), block_ids [n] (+ count, + row_mask [B, nb]) -> y [B, d]."""
+    nb, b, d = check_slab(slab, x, act, layer)
     sel = select_blocks(block_ids, nb, x.shape[0], count, row_mask)
-    base = sel.ids[:, None] * 3 * b + jnp.arange(b)[None, :]  # the gate row of each channel
+    slab, first = slab_view(slab, layer)
+    fetch = sel.ids + first
+    base = fetch[:, None] * 3 * b + jnp.arange(b)[None, :]  # the gate row of each channel
     row_ids = jnp.stack([(base + k * b).reshape(-1) for k in range(3)])
     keep = jnp.repeat(sel.keep, b)
     mask = None if sel.mask is None else jnp.repeat(sel.mask, b, axis=0)
-    gus = None if slab.gate_up_scale is None else slab.gate_up_scale[sel.ids].transpose(1, 0, 2).reshape(2, -1)
-    flat = slab.values.reshape(nb * 3 * b, d)
+    gus = None if slab.gate_up_scale is None else slab.gate_up_scale[fetch].transpose(1, 0, 2).reshape(2, -1)
+    flat = slab.values.reshape(-1, d)
     return rows_ffn(x, flat, row_ids, keep, mask, gus, slab.down_scale, act=act, interpret=interpret, splits=splits)
 
 

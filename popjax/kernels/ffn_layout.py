@@ -6,8 +6,8 @@ The FFN is y = down · (act(gate · x) ⊙ up · x) for x [B, d], gate/up [f, d]
 stacked as ``gate_up [2, f, d]``) and down [d, f]. A kernel reads only the selected channels,
 so a channel's three weight vectors must be cheap to fetch together:
 
-* `BlockSlab` (block-granular kernels): ``values [f/b, 3, b, d]``, block j = the gate rows, up
-  rows and down columns (transposed to rows) of channels j·b .. j·b+b-1, one contiguous slab;
+* `block_slab.BlockSlab` (block-granular kernels): ``values [f/b, 3, b, d]``, block j = the gate
+  rows, up rows and down columns (transposed to rows) of channels j·b .. j·b+b-1, one contiguous slab;
 * `ChannelRows` (channel-granular kernels): ``values [3, f, L, 128]``, gate, up and down rows
   of each channel, a row of d cut into L = ceil(d / 1024) · 8 lines of 128 (zero-padded past d).
   That shape is what lets a TPU DMA fetch any one channel: XLA:TPU tiles HBM arrays in (8, 128)
@@ -38,15 +38,6 @@ MAX_BATCH = 64
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 X_DTYPES = ("float32", "bfloat16")
 _SQRT_2_OVER_PI = 0.7978845608028654
-
-
-class BlockSlab(NamedTuple):
-    """Block-granular weights. values [nb, 3, b, d] (float or int8); for int8, gate_up_scale
-    [nb, 2, b] fp32 and down_scale [1, d] fp32, else None."""
-
-    values: jax.Array
-    gate_up_scale: jax.Array | None = None
-    down_scale: jax.Array | None = None
 
 
 class ChannelRows(NamedTuple):
@@ -86,7 +77,9 @@ class OutputRows(NamedTuple):
     layer: jax.Array | None = None
 
 
-def _check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
+def check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
+    """ValueError unless gate_up [2, f, d] and down [d, f] are one FFN's weights in a supported
+    dtype, with int8's fp32 scales [2, f, 1] and [d, 1] (and only int8's)."""
     if gate_up.ndim != 3 or gate_up.shape[0] != 2 or down.ndim != 2 or down.shape != (gate_up.shape[2], gate_up.shape[1]):
         raise ValueError(
             f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not an FFN's weights; expected gate_up [2, f, d] and down [d, f]"
@@ -104,24 +97,6 @@ def _check_scales(gate_up, down, gate_up_scale, down_scale) -> None:
         raise ValueError(f"scales were given for {jnp.dtype(gate_up.dtype).name} weights; scales are for int8 weights only")
     if jnp.dtype(gate_up.dtype).name not in WEIGHT_DTYPES or down.dtype != gate_up.dtype:
         raise ValueError(f"weights of dtype {gate_up.dtype}/{down.dtype} are not supported; use one of {list(WEIGHT_DTYPES)} for both")
-
-
-def block_layout(
-    gate_up: jax.Array, down: jax.Array, block_size: int, gate_up_scale: jax.Array | None = None, down_scale: jax.Array | None = None
-) -> BlockSlab:
-    """gate_up [2, f, d], down [d, f] (+ int8 scales [2, f, 1], [d, 1]) -> `BlockSlab` with
-    values [f/b, 3, b, d]. Run once per model (it copies the weights)."""
-    _check_scales(gate_up, down, gate_up_scale, down_scale)
-    f, d = gate_up.shape[1], gate_up.shape[2]
-    if block_size < 1 or f % block_size:
-        raise ValueError(f"block size {block_size} does not divide the {f} channels; use a divisor of {f}")
-    nb = f // block_size
-    rows = jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0)  # [3, f, d]
-    values = jnp.swapaxes(rows.reshape(3, nb, block_size, d), 0, 1)
-    if gate_up_scale is None:
-        return BlockSlab(values)
-    gus = jnp.swapaxes(gate_up_scale[..., 0].reshape(2, nb, block_size), 0, 1).astype(jnp.float32)
-    return BlockSlab(values, gus, down_scale[:, 0][None].astype(jnp.float32))
 
 
 def channel_lines(d: int) -> int:
@@ -151,7 +126,7 @@ def channel_layout(
 ) -> ChannelRows:
     """gate_up [2, f, d], down [d, f] (+ int8 scales) -> `ChannelRows` with values
     [3, f, L, 128]. Run once per model (it copies the weights)."""
-    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    check_scales(gate_up, down, gate_up_scale, down_scale)
     rows = in_lines(jnp.concatenate([gate_up, jnp.swapaxes(down, 0, 1)[None]], axis=0))
     if gate_up_scale is None:
         return ChannelRows(rows)
@@ -230,16 +205,6 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 def check_activation(name: str) -> None:
     if name not in ACTIVATIONS:
         raise ValueError(f"act={name!r} is not a kernel activation; use one of {list(ACTIVATIONS)}")
-
-
-def check_slab(slab: "BlockSlab", x: jax.Array, act: str) -> tuple[int, int, int]:
-    """A block kernel's inputs: ``act``, slab values [nb, 3, b, d] and x [B, d] -> (nb, b, d)."""
-    check_activation(act)
-    nb, three, b, d = slab.values.shape
-    if three != 3:
-        raise ValueError(f"slab values of shape {tuple(slab.values.shape)} are not [nb, 3, b, d]")
-    check_x(x, d)
-    return nb, b, d
 
 
 def check_channel_rows(rows: "ChannelRows", x: jax.Array, act: str, gated: bool = False, layer=None) -> tuple[int, int, int | None]:

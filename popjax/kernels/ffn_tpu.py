@@ -28,16 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ffn_layout import (
-    BlockSlab,
-    ChannelRows,
-    activation,
-    channel_lines,
-    check_channel_rows,
-    check_gate,
-    check_slab,
-    stack_view,
-)
+from .block_slab import BlockSlab, check_slab, slab_view
+from .ffn_layout import ChannelRows, activation, channel_lines, check_channel_rows, check_gate, stack_view
 from .selection import select_blocks, select_channels
 from .traffic import block_ffn_bytes, gather_ffn_bytes
 
@@ -96,10 +88,11 @@ def _pinned_to_hbm(weights):
 
 @_pinned_to_hbm.def_vmap
 def _pinned_to_hbm_batched(axis_size, in_batched, weights):
-    # Under vmap (a per-sequence method at batch > 1) the weights stay unpinned: JAX has no batching
+    # Under vmap (a per-sequence method at batch > 1) batched weights stay unpinned: JAX has no batching
     # rule for the constraint, and the batched pallas_call slices its operands per row, which an
-    # operand constrained to HBM does not allow. XLA may then stage a small copy into VMEM again.
-    return weights, in_batched[0]
+    # operand constrained to HBM does not allow (XLA may then stage a small copy into VMEM again).
+    # Weights the map leaves whole (held rows, `held_rows.per_row`) are pinned as outside it.
+    return (weights if in_batched[0] else pltpu.with_memory_space_constraint(weights, pltpu.HBM)), in_batched[0]
 
 
 def vmem_limit(estimate: int, chip: str, what: str) -> int:
@@ -192,18 +185,21 @@ def block_ffn(
     *,
     count: int | jax.Array | None = None,
     act: str = "silu",
+    layer: jax.Array | int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     chip: str = "v5e",
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, d] = the FFN of x [B, d] over the blocks ``block_ids [n]`` (ids[:count] selected,
-    `selection`'s docstring) of ``slab`` (`BlockSlab`, values [nb, 3, b, d]); with
-    ``row_mask [B, nb]`` (bool) row r adds only the blocks it chose (block_ids then being the
-    union, `selection.union_of_rows`). ``act`` is "silu" or "gelu_pytorch_tanh"; ``chip``
-    sizes the VMEM check; ``vmem_limit_bytes`` overrides the limit derived from it."""
-    nb, b, d = check_slab(slab, x, act)
+    `selection`'s docstring) of ``slab`` (`block_slab.BlockSlab`, values [nb, 3, b, d], or a
+    stack [S, nb, 3, b, d] read at ``layer`` by offset ids); with ``row_mask [B, nb]`` (bool)
+    row r adds only the blocks it chose (block_ids then being the union,
+    `selection.union_of_rows`). ``act`` is "silu" or "gelu_pytorch_tanh"; ``chip`` sizes the
+    VMEM check; ``vmem_limit_bytes`` overrides the limit derived from it."""
+    nb, b, d = check_slab(slab, x, act, layer)
     batch = x.shape[0]
     sel = select_blocks(block_ids, nb, batch, count, row_mask)
+    slab, first = slab_view(slab, layer)
     n = sel.ids.shape[0]
     masked, int8 = sel.mask is not None, slab.gate_up_scale is not None
     est = block_vmem_bytes(batch, b, d, slab.values.dtype, x.dtype, masked)
@@ -234,7 +230,7 @@ def block_ffn(
         cost_estimate=pl.CostEstimate(flops=6 * batch * d * b * n, transcendentals=batch * b * n, bytes_accessed=traffic),
         interpret=interpret,
         name="block_ffn",
-    )(sel.ids, sel.keep, *args)
+    )(sel.ids + first, sel.keep, *args)
 
 
 def fetch_rows(ids_ref, keep_ref, sems, chunk: int, steps: int, pairs) -> jax.Array:

@@ -21,6 +21,10 @@ CATS keeps a channel by its gate value, so it computes the gate densely and then
 kept channels only, their *rows* of W_u (an output each) and of W_d: `kernel_gated_ffn` reads
 them from `up_down_rows_data`, every layer's up and down rows as channel rows
 (`ffn_layout.stacked_up_down_layout`), through `kernels.decode_ffn.gated_ffn`.
+
+Block static keeps whole blocks of channels for a whole generation, so its step reads gate, up
+and down of those blocks only: `kernel_block_ffn` from `block_slab_data`, every layer's FFN in
+blocks (`kernels.block_slab.stacked_block_layout`), through `kernels.decode_ffn.block_ffn`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import kernels
-from ..kernels.decode_ffn import block_matvec, gated_ffn, masked_matvec
+from ..kernels.block_slab import BlockSlab, stacked_block_layout
+from ..kernels.decode_ffn import block_ffn, block_matvec, gated_ffn, masked_matvec
 from ..kernels.ffn_layout import ChannelRows, InputRows, channel_lines, stacked_input_layout, stacked_up_down_layout
 from ..loaded import uniform_ffn
 from ..models.config import ModelConfig
@@ -80,6 +85,24 @@ def up_down_rows_data(model) -> ChannelRows:
         return replicated(m, stacked_up_down_layout(stack.gate_up[:, 1], stack.down, *scales))
 
     return model.derived("up_down_rows", build)
+
+
+def block_slab_data(model, block: int) -> BlockSlab:
+    """Every layer's FFN weights in blocks of ``block`` channels, values [L, f/b, 3, b, d] (int8:
+    their scales), built once per model per block size and, on a mesh, replicated (as
+    `input_rows_data`): a second copy of the FFN weights, which block static's kernel steps read."""
+    def build(m):
+        stack = m.ffn_stack()
+        return replicated(m, stacked_block_layout(stack.gate_up, stack.down, block, stack.gate_up_scale, stack.down_scale))
+
+    return model.derived(f"block_slab/{block}", build)
+
+
+def kernel_block_ffn(w, x: jax.Array, blocks: jax.Array, *, kernel: str) -> jax.Array:
+    """The layer's FFN over whole blocks of channels: x [B, 1, d], blocks [k] (every row's) or
+    [B, k] (each row its own) -> [B, 1, d], from those blocks of the layer's slab
+    (``w.data["slab"]``, `block_slab_data`) only."""
+    return block_ffn(x[:, 0], w.data["slab"], blocks, layer=w.layer, act=w.act, kernel=kernel)[:, None]
 
 
 def replicated(model, rows):

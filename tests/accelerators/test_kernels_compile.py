@@ -17,7 +17,7 @@ from jax._src.pallas.mosaic.interpret import shared_memory  # private: the TPU s
 from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import resolve_topology
-from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, traffic
+from popjax.kernels import block_slab, decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, traffic
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
@@ -29,7 +29,7 @@ S = jax.ShapeDtypeStruct
 def block_args(batch, d, f, b, n, w_dtype, x_dtype="bfloat16", masked=False):
     int8 = w_dtype == "int8"
     nb = f // b
-    slab = ffn_layout.BlockSlab(S((nb, 3, b, d), w_dtype), S((nb, 2, b), "float32") if int8 else None, S((1, d), "float32") if int8 else None)
+    slab = block_slab.BlockSlab(S((nb, 3, b, d), w_dtype), S((nb, 2, b), "float32") if int8 else None, S((1, d), "float32") if int8 else None)
     return [S((batch, d), x_dtype), slab, S((n,), "int32")] + ([S((batch, nb), "bool")] if masked else [])
 
 
@@ -185,7 +185,7 @@ def test_block_kernel_moves_the_bytes_it_counts():
     rng = np.random.default_rng(0)
     batch, d, nb, b = 3, 256, 4, 16
     x, values = _simulated(rng, ((batch, d), "float32"), ((nb, 3, b, d), "int8"))
-    slab = ffn_layout.BlockSlab(values, jnp.ones((nb, 2, b)), jnp.ones((1, d)))
+    slab = block_slab.BlockSlab(values, jnp.ones((nb, 2, b)), jnp.ones((1, d)))
     ids = jnp.asarray([3, 3, 0, 2, 2, 1], jnp.int32)
     with hbm_traffic() as tally:
         jax.block_until_ready(ffn_tpu.block_ffn(x, slab, ids, jnp.ones((batch, nb), bool), count=5, interpret=pltpu.InterpretParams()))
@@ -317,11 +317,11 @@ def _fail(fn, *args, match, **kwargs):
 def test_bad_input_is_one_clear_line():
     gate_up, down = jnp.zeros((2, 96, 64)), jnp.zeros((64, 96))
     with pytest.raises(ValueError, match="block size 40 does not divide the 96 channels"):
-        ffn_layout.block_layout(gate_up, down, 40)
+        block_slab.block_layout(gate_up, down, 40)
     with pytest.raises(ValueError, match="int8 weights need gate_up_scale"):
         ffn_layout.channel_layout(gate_up.astype(jnp.int8), down.astype(jnp.int8))
     with pytest.raises(ValueError, match="not an FFN's weights"):
-        ffn_layout.block_layout(gate_up, down.T, 8)
+        block_slab.block_layout(gate_up, down.T, 8)
     big = block_args(8, 16384, 16384, 2048, 4, "bfloat16")  # 2 × 192 MiB slab buffers
     _fail(ffn_tpu.block_ffn, *big, match=r"needs 3\d\d\.\d MiB of VMEM, over v5e's 128 MiB")
     _fail(ffn_tpu.gather_ffn, *gather_args(64, 8192, 512, 600, "float32"), chunk=1024, match="over v6e's 128 MiB", chip="v6e")

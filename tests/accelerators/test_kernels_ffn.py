@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from popjax.kernels import decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, selection
+from popjax.kernels import block_slab, decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, selection
 from popjax.kernels.int8 import quantize
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
@@ -98,7 +98,7 @@ BLOCK_CASES = [
 def test_block_ffn_matches_numpy(case):
     platform, w_dtype, x_dtype, act, batch, b, masked = case
     args, gate_up, down = weights(w_dtype)
-    slab = ffn_layout.block_layout(args[0], args[1], b, *args[2:])
+    slab = block_slab.block_layout(args[0], args[1], b, *args[2:])
     nb = F // b
     # a repeat, an id out of range, then padding that repeats the last one and garbage
     ids = np.array([3, 0, 0, nb + 2, nb - 1, 5, -4, 5], np.int32)[: nb + 1]
@@ -128,7 +128,7 @@ def test_union_of_rows_gives_each_rows_own_blocks():
     assert int(count) == 7 and list(np.asarray(ids)[:7]) == [0, 1, 2, 3, 5, 7, 11]
     x, x64 = inputs(batch, "float32")
     y = ffn_tpu.block_ffn(
-        x, ffn_layout.block_layout(*args, b), ids, jnp.asarray(chose), count=count, act="silu", interpret=True
+        x, block_slab.block_layout(*args, b), ids, jnp.asarray(chose), count=count, act="silu", interpret=True
     )
     channels = [[j * b + c for j in np.flatnonzero(chose[r]) for c in range(b)] for r in range(batch)]
     check(y, reference(x64, gate_up, down, channels, "silu"), "float32")
@@ -262,7 +262,7 @@ def test_teal_decode_ffn_from_two_input_gathers(platform, w_dtype):
 def test_count_zero_gives_zeros():
     args, _, _ = weights("float32")
     x, _ = inputs(2, "float32")
-    slab = ffn_layout.block_layout(*args, 24)
+    slab = block_slab.block_layout(*args, 24)
     y = ffn_tpu.block_ffn(x, slab, jnp.asarray([1, 2], jnp.int32), count=0, interpret=True)
     assert np.all(np.asarray(y) == 0)
 
@@ -271,7 +271,7 @@ def test_layouts_hold_the_ffn_weights():
     """Block j of the slab is channels j·b..j·b+b-1 (gate rows, up rows, down columns); a
     channel's row in `ChannelRows` is its weights, zero past d."""
     (gate_up, down), _, _ = weights("float32")
-    slab = np.asarray(ffn_layout.block_layout(gate_up, down, 12).values)
+    slab = np.asarray(block_slab.block_layout(gate_up, down, 12).values)
     np.testing.assert_array_equal(slab[3, 0], np.asarray(gate_up)[0, 36:48])
     np.testing.assert_array_equal(slab[3, 1], np.asarray(gate_up)[1, 36:48])
     np.testing.assert_array_equal(slab[3, 2], np.asarray(down)[:, 36:48].T)

@@ -1,7 +1,8 @@
 """Gate-scored POP, shortlisted POP and shortlisted dynamic selection through the Pallas kernels
 (docs/kernels.md, "Gate-scored and shortlisted POP"): their steps read the up rows of the
 candidates they score exactly through `decode_ffn.gather_row_dots` and the selected down columns
-through `gather_matvec`; the kernel path (interpret mode here) equals XLA's.
+through `gather_matvec` (block shortlisted POP: its selected blocks through `block_matvec`); the
+kernel path (interpret mode here) equals XLA's.
 
 Everything else of a step is XLA's in both paths (the gate rows of C, the scores, the choices),
 so the two differ only by the kernels' f32 accumulation order.
@@ -20,6 +21,7 @@ from popjax import kernels
 from popjax.kernels.ffn_layout import InputRows, OutputRows, channel_lines
 from popjax.methods import MethodError
 from popjax.methods.pop import POPPlan
+from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.gate_scored import GATE
 from popjax.methods.pop.plan import UNKEPT_BAND
 from popjax.methods.pop.shortlist import ShortlistScorer
@@ -33,11 +35,13 @@ PLANS = {  # one layer's plans, f = 48, n_keep = 30: POP's band (m = 6 of n_C = 
     "gate": POPPlan(f=48, n_keep=30, m=6, scorer=GATE),
     "shortlist": POPPlan(f=48, n_keep=30, m=6, scorer=ShortlistScorer(9, "up")),
     "dynamic-shortlist": POPPlan(f=48, n_keep=30, m=30, scorer=ShortlistScorer(36, "gated_up"), band=UNKEPT_BAND),
+    "block-shortlist": POPPlan(f=48, n_keep=30, m=8, scorer=ShortlistScorer(12, "up", block=4), band=BlockBand(4)),  # 2 of 3 blocks of 4
 }
 
 
 @pytest.mark.parametrize("name, int8, aggregate", [("gate", True, "shared"), ("shortlist", False, "per_sequence"),
-                                                    ("dynamic-shortlist", True, "per_sequence")])
+                                                    ("dynamic-shortlist", True, "per_sequence"), ("block-shortlist", True, "per_sequence"),
+                                                    ("block-shortlist", False, "shared")])
 def test_plan_step_through_the_kernels(name, int8, aggregate):
     """The kernel path keeps C's up rows as `OutputRows` (int8: their scales beside them) and its
     down columns as `InputRows`; its decode step equals XLA's in outputs and selections."""
@@ -64,7 +68,8 @@ def test_plan_step_through_the_kernels(name, int8, aggregate):
     (popjax.GateScoredPOP(ratio=0.4, gamma=0.4, aggregate="per_sequence", kernel="xla"), "llama", "unrolled"),
     (popjax.ShortlistPOP(ratio=0.4, gamma=0.4, shortlist=0.75, prior="up", aggregate="shared", kernel="xla"), "gemma3", "unrolled"),
     (popjax.ShortlistDynamic(ratio=0.4, shortlist=0.8, aggregate="shared", kernel="xla"), "llama", "scanned"),
-], ids=["pop-gate", "pop-shortlist-gemma3", "dynamic-shortlist-scanned"])
+    (popjax.ShortlistPOP(ratio=0.4, gamma=0.5, shortlist=0.75, block=8, aggregate="per_sequence", kernel="xla"), "llama", "scanned"),
+], ids=["pop-gate", "pop-shortlist-gemma3", "dynamic-shortlist-scanned", "block-shortlist-scanned"])
 def test_pallas_equals_xla(request, tiny_model, method, family, layout):
     """`kernel_paths.check_method_kernel`: the same greedy tokens and log-probs (the scanned
     model reads each layer's copies from the scan's stacked state)."""

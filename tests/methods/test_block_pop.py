@@ -1,7 +1,9 @@
 """Block-granular POP (``POP(ratio, block=b)``, popjax/methods/pop/blocks.py) against a plain NumPy
 reference written here with loops: m in whole blocks, channel POP's partition, each decode
 step's choice of whole blocks of consecutive candidates and its output, per batch and per
-sequence; ``block=1`` is channel POP; through the engine on the tiny model; bad input in one line."""
+sequence; ``block=1`` is channel POP; through the engine on the tiny model; bad input in one line.
+Block shortlisted POP (``ShortlistPOP(ratio, block=b)``, pop/shortlist.py) likewise: a shortlist
+of whole blocks by gate score, then whole blocks of it by exact score."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import popjax
 from popjax.methods import MethodError, POPPlan, make_method
 from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import ExactScorer
+from popjax.methods.pop.shortlist import ShortlistScorer
 from tests.methods.test_methods_reference import ref_prefill
-from tests.reference import as_jax, random_batch, random_layer, ref_down_norms, ref_hidden
+from tests.reference import as_jax, random_batch, random_layer, ref_down_norms, ref_gate, ref_hidden
 
 ATOL = 1e-5
 
@@ -169,3 +172,68 @@ def test_block_one_is_channel_pop_and_blocks_generate(tiny_model):
 def test_bad_blocks_are_one_line(tiny_model, kwargs, message):
     with pytest.raises(MethodError, match=message):
         popjax.POP(0.4, **kwargs).bind(tiny_model.config)
+
+
+# ------------------------------------------------------------------ block shortlisted POP
+
+
+def ref_block_shortlist_decode(W, R, C, x, m, s, b):
+    """One step of block shortlisted POP: the top s/b blocks of C by the L2 norm of their gate
+    scores ‖silu(G[:, c])‖·‖W_d[:, c]‖ form the shortlist L (in block rank order); the top m/b
+    blocks of L (b consecutive positions of L) by their exact scores are selected."""
+    G, H, dn = ref_gate(W, x), ref_hidden(W, x), ref_down_norms(W)
+    rows = range(x.shape[0])
+    gate = [math.sqrt(sum(G[r, 0, c] ** 2 for r in rows)) * dn[c] for c in C]
+    L = [C[k * b + i] for k in ref_block_rank(gate, b)[: s // b] for i in range(b)]
+    exact = [math.sqrt(sum(H[r, 0, c] ** 2 for r in rows)) * dn[c] for c in L]
+    selected = [L[k * b + i] for k in ref_block_rank(exact, b)[: m // b] for i in range(b)]
+    return sum(H[..., [j]] * W["down"][j] for j in list(R) + selected), selected
+
+
+@pytest.mark.parametrize("f, n_keep, gamma, sigma, b, aggregate, order", [
+    (96, 58, 0.5, 0.75, 4, "shared", "importance"), (96, 40, 0.7, 0.6, 8, "per_sequence", "importance"),
+    (64, 33, 1.0, 0.8, 4, "shared", "importance"), (96, 40, 0.7, 0.6, 8, "per_sequence", "coactivation"),
+])
+def test_block_shortlist_matches_the_reference(f, n_keep, gamma, sigma, b, aggregate, order):
+    rng = np.random.default_rng(f + 3 * b)
+    d = 16
+    W = random_layer(rng, d, f)
+    X, valid = random_batch(rng, d, [6, 3], T=6)
+    m = ref_block_m(f, n_keep, gamma, b)
+    s = min(2 * m, max(m, math.floor(sigma * 2 * m / b + 0.5) * b))
+    assert m < s < 2 * m  # both stages choose
+    plan = POPPlan(f=f, n_keep=n_keep, m=m, aggregate=aggregate, scorer=ShortlistScorer(s, "none", block=b), band=BlockBand(b, order))
+    sizes = popjax.ShortlistPOP(0.5, gamma=gamma, shortlist=sigma, block=b, block_order=order, kernel="xla").plan_sizes(f, n_keep)
+    assert (sizes["m"], sizes["scorer"], sizes["band"]) == (m, plan.scorer, plan.band)  # the preset binds to this plan
+    _, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    rows = [slice(0, 2)] if aggregate == "shared" else [slice(0, 1), slice(1, 2)]
+    for step in range(2):
+        x_t = rng.normal(0, 1.0, (2, 1, d))
+        y_t, state, aux = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), step, jnp.ones((2, 1), bool))
+        for r, row in enumerate(rows):
+            _, R, C, _ = ref_prefill(W, X[row], valid[row], n_keep, m)
+            if order == "coactivation":
+                C = ref_coactive_order(W, X[row], valid[row], C, b)
+            y_ref, selected = ref_block_shortlist_decode(W, R, C, x_t[row], m, s, b)
+            np.testing.assert_allclose(np.asarray(y_t[row]), y_ref, atol=ATOL)
+            got = aux["selected"] if aggregate == "shared" else aux["selected"][r]
+            assert np.asarray(got).tolist() == selected
+
+
+def test_block_shortlist_sizes_and_bad_input(tiny_model):
+    """m is block POP's, s = round(σ·n_C/b)·b within [m, n_C]; blocks apply to POP's band only."""
+    cfg = tiny_model.config
+    plan = make_method("pop-shortlist", ratio=0.4, gamma=0.5, shortlist=0.75, block=8).bind(cfg)  # "pop-shortlist:block=8"
+    channel = popjax.ShortlistPOP(0.4, gamma=0.5).bind(cfg)
+    m = ref_block_m(cfg.intermediate_size, channel.n_keep, 0.5, 8)
+    assert (plan.n_keep, plan.m, plan.n_candidates, plan.scorer.block) == (channel.n_keep, m, 2 * m, 8)
+    assert plan.scorer.s == min(2 * m, max(m, math.floor(0.75 * 2 * m / 8 + 0.5) * 8)) and plan.scorer.s % 8 == 0
+    assert popjax.ShortlistPOP(0.4, gamma=0.5, block=1).bind(cfg) == channel
+    with pytest.raises(MethodError, match=r"^block=8 applies to band='pop' only \(band='all'\)$"):
+        popjax.ShortlistPOP(0.4, band="all", block=8)
+    with pytest.raises(MethodError, match=r"^block=0 is invalid"):
+        popjax.ShortlistPOP(0.4, block=0)
+    with pytest.raises(MethodError, match=r"^block=4096 is wider than POP's band here"):
+        popjax.ShortlistPOP(0.4, block=4096).bind(cfg)
+    with pytest.raises(MethodError, match=r"^block_order='coactivation' applies to block > 1 \(block=1\)$"):
+        popjax.ShortlistPOP(0.4, block_order="coactivation")

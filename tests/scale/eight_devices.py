@@ -101,6 +101,7 @@ def other_methods(model):
     out["pop-pallas"] = popjax.POP(0.3, gamma=0.2, kernel="pallas")  # the kernel on every device (interpret mode)
     out["dynamic-pallas"] = popjax.Dynamic(0.3, kernel="pallas")  # its replicated down copy
     out["shortlist-pallas"] = popjax.ShortlistPOP(0.3, gamma=0.2, kernel="pallas")  # row dots, then the down rows
+    out["static-block-pallas"] = popjax.Static(0.3, block=8, kernel="pallas")  # its replicated slab, the fused block kernel
     if model is not None:  # calibrated for real, on random tokens (seconds on this model; not cached)
         from popjax.calibration import Corpus
 

@@ -30,10 +30,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..base import MethodError, check_choice, round_half_up
+from ..base import MethodError, check_block, check_choice, round_half_up
 from .plan import GlobalBand
 
 BLOCK_ORDERS = ("importance", "coactivation")  # how prefill lays C out into blocks
+
+
+def check_block_options(block, order: str) -> None:
+    """MethodError unless ``block`` is a block size and ``order`` one of `BLOCK_ORDERS`, other
+    than importance only with blocks (a preset's ``block`` and ``block_order``)."""
+    check_block(block)
+    check_choice("block_order", order, BLOCK_ORDERS)
+    if order != "importance" and block == 1:
+        raise MethodError(f"block_order={order!r} applies to block > 1 (block={block})")
 
 
 @dataclasses.dataclass(frozen=True)

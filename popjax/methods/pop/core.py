@@ -20,9 +20,9 @@ from typing import ClassVar
 
 from ... import kernels
 from ...models.config import ModelConfig
-from ..base import DensePlan, MethodError, Plan, RatioMethod, check_block, check_gamma, kept_channels, round_half_up
+from ..base import DensePlan, MethodError, Plan, RatioMethod, check_gamma, kept_channels, round_half_up
 from ..prompt_tokens import check_prompt_tokens
-from .blocks import BLOCK_ORDERS, BlockBand
+from .blocks import BlockBand, check_block_options
 from .plan import EXACT, GLOBAL_BAND, BandRule, CandidateScorer, ExactScorer, POPPlan, check_choice
 from .sharded import POPShardedPlan
 
@@ -134,12 +134,9 @@ class POP(POPPreset):
         if self.shards is not None and self.partition != "per_shard":
             raise MethodError(f"shards={self.shards} applies to partition='per_shard' only (partition={self.partition!r})")
         check_choice("weights", self.weights, WEIGHT_MODES)
-        check_block(self.block)
+        check_block_options(self.block, self.block_order)
         if self.block > 1 and self.partition != "global":
             raise MethodError(f"block={self.block} applies to partition='global' only (partition={self.partition!r})")
-        check_choice("block_order", self.block_order, BLOCK_ORDERS)
-        if self.block_order != "importance" and self.block == 1:
-            raise MethodError(f"block_order={self.block_order!r} applies to block > 1 (block={self.block})")
 
     def kernel_refusal(self) -> str:
         if self.weights == "compact" and self.partition == "global":

@@ -140,8 +140,7 @@ class ExactScorer(CandidateScorer):
             batch, d = x.shape[0], x.shape[-1]
             h_c = h_candidates.reshape(batch, plan.n_candidates)
             if self.block > 1:  # whole blocks: their ids, each block fetched as one contiguous slab
-                y_c = block_matvec(h_c, state["down_candidates"], selected[:: self.block] // self.block, block=self.block,
-                                   out_features=d, kernel=plan.kernel)
+                y_c = kernel_block_down(plan, h_c, state["down_candidates"], selected, self.block, d)
             else:
                 y_c = gather_matvec(h_c, state["down_candidates"], selected, out_features=d, kernel=plan.kernel)
             return y + y_c.reshape(y.shape).astype(y.dtype), {"selected": selected_ids, "scores": top_scores}
@@ -194,6 +193,13 @@ def top_candidates(scores: jax.Array, m: int, block: int = 1) -> tuple[jax.Array
         return jax.lax.top_k(scores, m)
     top, ids = top_blocks(scores, m // block, block)
     return jnp.repeat(top, block), block_channels(ids, block)
+
+
+def kernel_block_down(plan, h_c: jax.Array, rows: InputRows, selected: jax.Array, block: int, d: int) -> jax.Array:
+    """C's down rows applied to h_c [B, n_C] over the selected positions ``selected`` [m] (whole
+    blocks of ``block``, in order within each) by the plan's Pallas kernel -> [B, d]: each block
+    fetched as one contiguous piece (`kernels.decode_ffn.block_matvec`)."""
+    return block_matvec(h_c, rows, selected[::block] // block, block=block, out_features=d, kernel=plan.kernel)
 
 
 def candidate_rows(down, candidates: jax.Array) -> InputRows:

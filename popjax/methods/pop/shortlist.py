@@ -26,6 +26,13 @@ selection (§7.5, shortlist_dynamic.py), the same plan.
 
 Ties: ``lax.top_k`` keeps the lower position, within C (prompt order) for the shortlist and within
 the shortlist (in shortlist order) for the final choice.
+
+**Blocks** (``block=b`` > 1, band="pop"; blocks.py): m, s and n_C are whole blocks of b
+consecutive positions of C (prompt-importance order, or with ``block_order="coactivation"``
+channels that fired on the same prompt tokens, as block POP's). Both stages choose blocks by the L2 norm of
+their channels' scores: the top s/b blocks by gate score form the shortlist, the top m/b of those
+by exact score are selected, and a Pallas step reads the selected down rows block by block
+(`kernels.decode_ffn.block_matvec`).
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..base import MethodError, copy_candidates, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels
+from ..base import MethodError, block_channels, copy_candidates, dot, down_proj, gate_activation, prefill_importance, round_half_up, step_importance, take_channels, top_blocks
+from .blocks import BlockBand, check_block_options
 from .core import POPPreset
 from .gate_scored import gate_partition_state, gate_scores, kernel_down, kernel_row_dots, kernel_row_width, retained_and_gates
-from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice
+from .plan import GLOBAL_BAND, UNKEPT_BAND, CandidateScorer, POPPlan, check_choice, kernel_block_down, top_candidates
 
 PRIORS = ("none", "up", "gated_up")  # what the scorer computes; each preset offers its own subset
 BANDS = ("pop", "all")
@@ -49,11 +57,13 @@ BANDS = ("pop", "all")
 class ShortlistScorer(CandidateScorer):
     """A shortlist of ``s`` candidates (m ≤ s ≤ n_C) by the gate score weighted by ``prior``,
     then the top m of it by exact score. State: gate-scored POP's, plus ``shortlist_weight``
-    [n_C] (the prior w_c) unless ``prior="none"``."""
+    [n_C] (the prior w_c) unless ``prior="none"``. ``block`` > 1: both stages choose whole
+    blocks of that many consecutive positions of C (s and m multiples of it)."""
 
     name: ClassVar[str] = "pop-shortlist"
     s: int = 0
     prior: str = "none"
+    block: int = 1
 
     def __post_init__(self):
         check_choice("prior", self.prior, PRIORS)
@@ -83,19 +93,31 @@ class ShortlistScorer(CandidateScorer):
         if plan.m == 0:
             return y, {}
         weight = state["down_norm_candidates"] if self.prior == "none" else state["shortlist_weight"]
-        shortlist = jax.lax.top_k(gate_scores(g, valid, weight, act), self.s)[1]  # [s] within C
+        shortlist = self.shortlist(gate_scores(g, valid, weight, act))  # [s] within C
         if plan.kernel != "xla":  # the shortlist's up rows through the row-dot kernel
             up = kernel_row_dots(plan, state["up_candidates"], x, shortlist)
         else:
             up = dot("bsd,nd->bsn", x, take_channels(state["up_candidates"], shortlist, axis=0))
         h = act(take_channels(g, shortlist, axis=-1)) * up  # exact H of the shortlist [B, 1, s]
         norms = take_channels(state["down_norm_candidates"], shortlist, axis=0)
-        top_scores, pick = jax.lax.top_k(step_importance(h, valid, norms), plan.m)  # within the shortlist
+        top_scores, pick = top_candidates(step_importance(h, valid, norms), plan.m, self.block)  # within the shortlist
         selected = take_channels(shortlist, pick, axis=0)  # positions within C
         aux = {"selected": take_channels(state["candidate_idx"], selected, axis=0), "scores": top_scores}
+        if plan.kernel != "xla" and self.block > 1:  # whole blocks of C's down rows: h of the selected, zero elsewhere
+            batch = x.shape[0]
+            h_c = jnp.zeros((batch, plan.n_candidates), h.dtype).at[:, selected].set(take_channels(h, pick, axis=-1).reshape(batch, -1))
+            y_c = kernel_block_down(plan, h_c, state["down_candidates"], selected, self.block, x.shape[-1])
+            return y + y_c.reshape(y.shape).astype(y.dtype), aux
         if plan.kernel != "xla":
             return y + kernel_down(plan, state["down_candidates"], take_channels(h, pick, axis=-1), selected, x.shape[-1]).astype(y.dtype), aux
         return y + take_channels(h, pick, axis=-1) @ take_channels(state["down_candidates"], selected, axis=0), aux
+
+    def shortlist(self, scores: jax.Array) -> jax.Array:
+        """C's shortlist scores [n_C] -> the s shortlisted positions within C: the top s, or
+        (``block`` > 1) the top s/b blocks' positions, each block's in order."""
+        if self.block == 1:
+            return jax.lax.top_k(scores, self.s)[1]
+        return block_channels(top_blocks(scores, self.s // self.block, self.block)[1], self.block)
 
     def weights_read(self, plan, d):
         """The TPU kernels read each shortlisted up row and selected down row whole (L·128 ≥ d)."""
@@ -106,9 +128,9 @@ class ShortlistScorer(CandidateScorer):
         return 2 * d * (2 * plan.n_retained + plan.n_candidates + self.s) + 2 * d * plan.n_keep
 
 
-def shortlist_size(sigma: float, m: int, n_c: int) -> int:
-    """s = round(σ·n_C) clipped to [m, n_C]."""
-    return min(n_c, max(m, round_half_up(sigma * n_c)))
+def shortlist_size(sigma: float, m: int, n_c: int, block: int = 1) -> int:
+    """s = round(σ·n_C) clipped to [m, n_C]; with blocks of b, round(σ·n_C/b)·b."""
+    return min(n_c, max(m, round_half_up(sigma * n_c / block) * block))
 
 
 def shortlist_plan(f: int, n_keep: int, m: int = 0, s: int = 0, aggregate: str = "shared", band_all: bool = False,
@@ -134,6 +156,11 @@ class ShortlistPOP(POPPreset):
       band: "pop" (POP's sizes: n_C = 2m) or "all" (every channel outside R is a candidate, and
         m = round(γ·n_keep) channels are chosen per step: γ = 1 leaves R empty).
       prior: "none" (gate score) or "up" (gate score × the prompt's up norm per candidate).
+      block: 1 (default: single channels) or b > 1 (band="pop" only): m, s and n_C in whole
+        blocks of b consecutive positions of C, each stage choosing whole blocks (block POP's
+        sizes, blocks.py); a Pallas step reads the selected down rows block by block.
+      block_order: how prefill lays C out into those blocks, as POP's: "importance" (default)
+        or "coactivation" (`blocks.coactive_blocks`); block > 1 only.
       aggregate: "per_sequence" (default: a partition and selection per sequence) or "shared" (one per batch).
       kernel: how a step reads the shortlist's up rows and the selected down columns: "auto"
         (default: the Pallas kernels on TPU and GPU, XLA on a CPU), "xla" or "pallas"
@@ -145,18 +172,25 @@ class ShortlistPOP(POPPreset):
     shortlist: float = dataclasses.field(default=0.75, kw_only=True)
     band: str = dataclasses.field(default="pop", kw_only=True)
     prior: str = dataclasses.field(default="none", kw_only=True)
+    block: int = dataclasses.field(default=1, kw_only=True)
+    block_order: str = dataclasses.field(default="importance", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("band", self.band, BANDS)
         check_choice("prior", self.prior, self.priors)
+        check_block_options(self.block, self.block_order)
+        if self.block > 1 and self.band != "pop":
+            raise MethodError(f"block={self.block} applies to band='pop' only (band={self.band!r})")
         lowest = 0.5 if self.band == "pop" else 0.0
         if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, (int, float)) or not lowest <= self.shortlist <= 1:
             raise MethodError(f"shortlist={self.shortlist!r} is outside [{lowest}, 1] (the fraction of the band scored exactly)")
 
     def band_rule(self):
-        return UNKEPT_BAND if self.band == "all" else GLOBAL_BAND
+        if self.band == "all":
+            return UNKEPT_BAND
+        return GLOBAL_BAND if self.block == 1 else BlockBand(self.block, self.block_order)
 
     def candidate_scorer(self, f, n_keep, m):
         n_c = self.band_rule().n_candidates(f, n_keep, m)
-        return ShortlistScorer(s=shortlist_size(self.shortlist, m, n_c), prior=self.prior)
+        return ShortlistScorer(s=shortlist_size(self.shortlist, m, n_c, self.block), prior=self.prior, block=self.block)
