@@ -1,8 +1,8 @@
 """Offline methods made ready for a config alone, so their programs compile without a model.
 
 An offline method (TEAL, CATS, Wanda-sp, FLAP, GLASS, LaRoSa, principal TEAL, WINA, low-rank and
-layer-band POP, Prefill-Only with calibrated K/V) fits arrays on a loaded model (``prepare``) and
-its compiled programs read them as a traced argument (``data``). A compile-only plan has no
+layer-band POP, block static in calibrated order, Prefill-Only with calibrated K/V) fits arrays on
+a loaded model (``prepare``) and its compiled programs read them as a traced argument (``data``). A compile-only plan has no
 weights and needs only their shapes: `shape_fitted` gives the method placeholder fits of the
 right shapes (zeros, first-n channels, uniform drift) and `abstract_data` the data as
 ShapeDtypeStructs. Large placeholders are NumPy broadcast views and the data is traced with
@@ -29,6 +29,7 @@ from ..methods.base import block_rows
 from ..methods.pop.low_rank import LowRankFactors
 from ..methods.prefill_only.kv_calibration import KVCalibration
 from ..methods.principal_teal import PrincipalFit
+from ..methods.channel_order import BlockOrdered, ChannelOrder
 from ..methods.wanda_sp import ChannelSelection
 from ..loaded import check_uniform_ffn
 from ..models.config import ModelConfig
@@ -103,6 +104,8 @@ def shape_fitted(method: Method, cfg: ModelConfig) -> Method:
     if isinstance(method, LowRankPOP) and method.factors is None:
         r = method.rank
         return dataclasses.replace(method, factors=LowRankFactors(SOURCE, r, _zeros(rows, 2, d, r), _zeros(rows, 2, r, f), blocks))
+    if isinstance(method, BlockOrdered) and method.needs_calibration and method.order is None:
+        return dataclasses.replace(method, order=ChannelOrder(SOURCE, np.broadcast_to(np.arange(f, dtype=np.int32), (L, f))))
     if isinstance(method, LayerBandsPOP) and method.allocation is None:
         return method.with_drift(np.ones(rows), SOURCE)
     return method

@@ -13,7 +13,8 @@ n_keep selected channels' rows of the model's input-major down copy
 of the model's order): n_keep rounded to whole blocks, the top n_keep/b blocks by the L2 norm
 of their channels' scores, so a kernel reads b contiguous rows of the down copy per choice
 (`kernels.decode_ffn.block_matvec`, one BlockSpec fetch per block on TPU). The prompt's own
-output stays channel-granular (prefill is dense).
+output stays channel-granular (prefill is dense). ``block_order="calibrated"`` makes the blocks
+those of a calibrated channel order (`channel_order`: the down copy laid out in it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .. import kernels
 from ..models.config import ModelConfig
 from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, block_channels, check_block,
                    check_choice, down_proj, kept_channels, round_half_up, score_prompt, step_importance, take_channels, top_blocks)
-from .input_rows import input_rows_data, kernel_down, kernel_down_blocks, kernel_weights_read, resolve_kernel
+from .channel_order import BlockOrdered
+from .input_rows import input_rows_data, kernel_down, kernel_down_blocks, kernel_weights_read, ordered_down_rows, resolve_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class DynamicPlan(AggregatedPlan):
     # "xla" (a gather of W_d's columns) or a Pallas kernel on the down copy in ``w.data["rows"]``
     kernel: str = "xla"
     block: int = 1  # channels selected in whole blocks of this many consecutive channels (n_keep a multiple)
+    calibrated_order: bool = False  # blocks of ``w.data["order"]``'s layout (block_order="calibrated")
 
     def __post_init__(self):
         check_choice("kernel", self.kernel, kernels.RESOLVED)
@@ -52,11 +55,13 @@ class DynamicPlan(AggregatedPlan):
         h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w.down_norm)  # [f]
         if self.block > 1:  # whole blocks: the top n_keep/b by the L2 norm of their channels' scores
-            blocks = top_blocks(scores, self.n_keep // self.block, self.block)[1]
-            if self.kernel != "xla":
-                y = kernel_down_blocks(w, h, blocks, block=self.block, d=x.shape[-1], kernel=self.kernel)
+            order = jax.lax.dynamic_index_in_dim(w.data["order"], w.layer, keepdims=False) if self.calibrated_order else None
+            blocks = top_blocks(scores if order is None else scores[order], self.n_keep // self.block, self.block)[1]
+            if self.kernel != "xla":  # the down copy is laid out in the blocks' order
+                y = kernel_down_blocks(w, h if order is None else h[..., order], blocks, block=self.block, d=x.shape[-1],
+                                       kernel=self.kernel)
                 return y, state, {"scores": scores}
-            selected = block_channels(blocks, self.block)
+            selected = block_channels(blocks, self.block) if order is None else order[block_channels(blocks, self.block)]
         else:
             _, selected = jax.lax.top_k(scores, self.n_keep)
         if self.kernel == "xla":
@@ -84,12 +89,14 @@ def block_keep(f: int, n_keep: int, block: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dynamic(RatioMethod):
+class Dynamic(BlockOrdered, RatioMethod):
     """Re-selects the top n_keep of all channels at every decode step (the accuracy ceiling of
     POP at a much higher cost). ``Dynamic(ratio, aggregate="per_sequence" | "shared",
     kernel="auto" | "xla" | "pallas")``: ``kernel`` reads the selected down rows (the module
     docstring); "auto" is the Pallas kernel on TPU and GPU, XLA on a CPU and a mixture of experts.
-    ``block=b``: channels selected in whole blocks of b (the module docstring; b divides f)."""
+    ``block=b``: channels selected in whole blocks of b (the module docstring; b divides f), of
+    the model's order or (``block_order="calibrated"``; ``calibrate`` or ``prepare`` first) of a
+    calibrated one."""
 
     name: ClassVar[str] = "dynamic"
     plan_class: ClassVar[type] = DynamicPlan
@@ -100,6 +107,7 @@ class Dynamic(RatioMethod):
         super().__post_init__()
         check_choice("kernel", self.kernel, kernels.KERNELS)
         check_block(self.block)
+        self.check_block_order()
 
     def resolved_kernel(self, cfg: ModelConfig) -> str:
         """What the decode step runs (`input_rows.resolve_kernel`)."""
@@ -110,12 +118,18 @@ class Dynamic(RatioMethod):
         if n_keep == f:
             return DensePlan(f=f, n_keep=f)
         n_keep = block_keep(f, n_keep, self.block)
-        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg), block=self.block)
+        return DynamicPlan(f=f, n_keep=n_keep, aggregate=self.aggregate, kernel=self.resolved_kernel(cfg), block=self.block,
+                           calibrated_order=self.checked_order(cfg))
 
     def data(self, model) -> dict | None:
         """With a Pallas kernel ``{"rows": {"down": InputRows}}``: W_d as an input-major copy
-        (`input_rows.input_rows_data`, built once per model), which the decode steps read."""
-        cfg = model.config
-        if kept_channels(cfg, self.ratio) == cfg.intermediate_size or self.resolved_kernel(cfg) == "xla":
+        (`input_rows.input_rows_data`, built once per model; with a calibrated order, its rows in
+        that order), which the decode steps read; with a calibrated order ``{"order": [L, f]}``."""
+        plan = self.bind(model.config)
+        if not isinstance(plan, DynamicPlan):
             return None
-        return {"rows": input_rows_data(model, ("down",))}
+        data = {name: jnp.asarray(a) for name, a in self.order_data().items()}
+        if plan.kernel != "xla":
+            data["rows"] = {"down": ordered_down_rows(model, self.order.order)} if plan.calibrated_order else \
+                input_rows_data(model, ("down",))
+        return data or None

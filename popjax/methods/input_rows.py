@@ -41,6 +41,7 @@ from ..loaded import uniform_ffn
 from ..models.config import ModelConfig
 from ..models.interface import FFNStack
 from .base import MethodError, gate_activation
+from .fitted import array_digest
 
 
 def resolve_kernel(method: str, kernel: str, cfg: ModelConfig) -> str:
@@ -75,6 +76,17 @@ def input_rows_data(model, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, Inpu
     return model.derived("input_major_rows/" + "+".join(parts), lambda m: {part: build(part) for part in parts})
 
 
+def ordered_down_rows(model, order) -> InputRows:
+    """W_d's input-major copy (`input_rows_data`'s "down") with each layer's rows in ``order``
+    [L, f] (row j of layer l = channel order[l, j]): block dynamic's in a calibrated order."""
+    def build(m):
+        stack = m.ffn_stack()
+        down = jnp.take_along_axis(stack.down, jnp.asarray(order)[:, None, :], axis=2)
+        return replicated(m, stacked_input_layout(down, stack.down_scale))
+
+    return model.derived(f"input_major_down/{array_digest(order)[:16]}", build)
+
+
 def up_down_rows_data(model) -> ChannelRows:
     """Every layer's up and down rows as `ffn_layout.stacked_up_down_layout` [2, L, f, L_d, 128]
     (int8: up's and down's scales), built once per model and, on a mesh, replicated (as
@@ -87,15 +99,23 @@ def up_down_rows_data(model) -> ChannelRows:
     return model.derived("up_down_rows", build)
 
 
-def block_slab_data(model, block: int) -> BlockSlab:
+def block_slab_data(model, block: int, order=None) -> BlockSlab:
     """Every layer's FFN weights in blocks of ``block`` channels, values [L, f/b, 3, b, d] (int8:
-    their scales), built once per model per block size and, on a mesh, replicated (as
-    `input_rows_data`): a second copy of the FFN weights, which block static's kernel steps read."""
+    their scales), the channels of each layer in ``order`` [L, f] (None: the model's), built once
+    per model, block size and order and, on a mesh, replicated (as `input_rows_data`): a second
+    copy of the FFN weights, which block static's kernel steps read."""
     def build(m):
         stack = m.ffn_stack()
-        return replicated(m, stacked_block_layout(stack.gate_up, stack.down, block, stack.gate_up_scale, stack.down_scale))
+        gate_up, down, gate_up_scale = stack.gate_up, stack.down, stack.gate_up_scale
+        if order is not None:  # channel j of the layout is channel order[l, j] of layer l
+            o = jnp.asarray(order)
+            gate_up = jnp.take_along_axis(gate_up, o[:, None, :, None], axis=2)
+            down = jnp.take_along_axis(down, o[:, None, :], axis=2)
+            gate_up_scale = None if gate_up_scale is None else jnp.take_along_axis(gate_up_scale, o[:, None, :, None], axis=2)
+        return replicated(m, stacked_block_layout(gate_up, down, block, gate_up_scale, stack.down_scale))
 
-    return model.derived(f"block_slab/{block}", build)
+    name = "model" if order is None else array_digest(order)[:16]
+    return model.derived(f"block_slab/{block}/{name}", build)
 
 
 def kernel_block_ffn(w, x: jax.Array, blocks: jax.Array, *, kernel: str) -> jax.Array:

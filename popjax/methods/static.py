@@ -13,6 +13,11 @@ from a block slab of the model's FFN weights (`input_rows.block_slab_data`, buil
 model) through the fused `kernels.decode_ffn.block_ffn`. Per sequence, a batch is served as
 the union of its rows' blocks with a per-row mask: a block two rows kept is read once, where
 per-sequence compact copies read one copy per row.
+
+Blocks of the model's own channel order (``block_order="model"``) cost much NLL: neighbouring
+channel ids share nothing. ``block_order="calibrated"`` lays each layer's channels out by their
+importance over a calibration corpus first (`channel_order`), so a block holds channels of
+neighbouring typical importance; the slab is built in that order and the blocks are of it.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from .. import kernels
 from ..models.config import ModelConfig
 from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, block_channels, check_block,
                    check_choice, copy_channels, copy_gate_up, down_proj, kept_channels, masked_down, score_prompt, top_blocks)
+from .channel_order import BlockOrdered
 from .dynamic import block_keep
 from .input_rows import block_slab_data, kernel_block_ffn, resolve_kernel
 
@@ -37,6 +44,7 @@ class StaticPlan(AggregatedPlan):
     # what a step reads (`popjax.kernels.RESOLVED`, resolved at bind): "xla" (the compact copy)
     # or a Pallas kernel on the kept blocks of the slab in ``w.data["slab"]`` (block > 1)
     kernel: str = "xla"
+    calibrated_order: bool = False  # blocks of ``w.data["order"]``'s layout (block_order="calibrated")
 
     def __post_init__(self):
         check_choice("kernel", self.kernel, kernels.RESOLVED)
@@ -53,8 +61,10 @@ class StaticPlan(AggregatedPlan):
             kept = order[: self.n_keep]
         else:  # whole blocks: the top n_keep/b by the L2 norm of their channels' importance
             _, _, importance, h = score_prompt(w, x, valid, self.n_keep, with_h=True)
-            blocks = top_blocks(importance, self.n_keep // self.block, self.block)[1]
-            kept = block_channels(blocks, self.block)
+            order = jax.lax.dynamic_index_in_dim(w.data["order"], w.layer, keepdims=False) if self.calibrated_order else None
+            laid_out = importance if order is None else importance[order]  # the blocks' layout
+            blocks = top_blocks(laid_out, self.n_keep // self.block, self.block)[1]
+            kept = block_channels(blocks, self.block) if order is None else order[block_channels(blocks, self.block)]
             y = masked_down(h, kept, w.down)
             if self.kernel != "xla":
                 return y, {"kept_blocks": blocks}, {"importance": importance}  # [n_keep/b]
@@ -90,13 +100,15 @@ class StaticPlan(AggregatedPlan):
 
 
 @dataclasses.dataclass(frozen=True)
-class Static(RatioMethod):
+class Static(BlockOrdered, RatioMethod):
     """Prefill-fixed structured pruning: the top n_keep channels by prompt importance, kept for
     the whole generation. ``Static(ratio, aggregate="per_sequence" | "shared", block=1,
-    kernel="auto")``: ``block=b`` keeps whole blocks of b channels (b divides f), which a Pallas
-    ``kernel`` ("auto": on TPU and GPU; "pallas"; "xla") reads from a block slab of the model's
-    weights instead of a prefill copy (the module docstring). With ``block=1`` the step reads
-    a compact copy, contiguous whatever the selection: "auto" is XLA, "pallas" a MethodError."""
+    kernel="auto", block_order="model")``: ``block=b`` keeps whole blocks of b channels (b
+    divides f), of the model's order or of a calibrated one (`channel_order`: ``calibrate``
+    or ``prepare`` first), which a Pallas ``kernel`` ("auto": on TPU and GPU; "pallas"; "xla")
+    reads from a block slab of the model's weights instead of a prefill copy (the module
+    docstring). With ``block=1`` the step reads a compact copy, contiguous whatever the
+    selection: "auto" is XLA, "pallas" a MethodError."""
 
     name: ClassVar[str] = "static"
     plan_class: ClassVar[type] = StaticPlan
@@ -110,6 +122,7 @@ class Static(RatioMethod):
         if self.kernel == "pallas" and self.block == 1:
             raise MethodError("kernel='pallas' reads whole blocks of channels: use block > 1 (block=1 reads a compact copy, "
                               "contiguous already), or kernel='xla' or 'auto'")
+        self.check_block_order()
 
     def resolved_kernel(self, cfg: ModelConfig) -> str:
         """What the decode step runs: XLA for single channels, else `input_rows.resolve_kernel`."""
@@ -120,12 +133,16 @@ class Static(RatioMethod):
         if n_keep == f:
             return DensePlan(f=f, n_keep=f)
         return StaticPlan(f=f, n_keep=block_keep(f, n_keep, self.block), aggregate=self.aggregate, block=self.block,
-                          kernel=self.resolved_kernel(cfg))
+                          kernel=self.resolved_kernel(cfg), calibrated_order=self.checked_order(cfg))
 
     def data(self, model) -> dict | None:
-        """With a Pallas kernel ``{"slab": BlockSlab}``: every layer's FFN weights in blocks of
-        ``block`` (`input_rows.block_slab_data`, built once per model), which the steps read."""
-        cfg = model.config
-        if kept_channels(cfg, self.ratio) == cfg.intermediate_size or self.resolved_kernel(cfg) == "xla":
+        """``{"order": [L, f] int32}`` with a calibrated order, and with a Pallas kernel
+        ``{"slab": BlockSlab}``: every layer's FFN weights in blocks of ``block`` of that order
+        (`input_rows.block_slab_data`, built once per model and order), which the steps read."""
+        plan = self.bind(model.config)
+        if not isinstance(plan, StaticPlan) or plan.block == 1:
             return None
-        return {"slab": block_slab_data(model, self.block)}
+        data = {name: jnp.asarray(a) for name, a in self.order_data().items()}
+        if plan.kernel != "xla":
+            data["slab"] = block_slab_data(model, self.block, None if self.order is None else self.order.order)
+        return data or None

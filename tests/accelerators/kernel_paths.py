@@ -58,8 +58,10 @@ def ready(name: str, model, aggregate: str, cache_dir):
         return popjax.WINA(ratio=0.4, aggregate=aggregate, kernel="xla").prepare(model)
     if name == "principal-teal":
         return popjax.PrincipalTEAL(ratio=0.4, rank=4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
-    if name.startswith("dynamic"):  # "dynamic" or "dynamic-block" (whole blocks of 8 channels)
-        return popjax.Dynamic(ratio=0.4, aggregate=aggregate, kernel="xla", block=8 if name.endswith("block") else 1)
+    if name.startswith("dynamic"):  # "dynamic", "dynamic-block" (whole blocks of 8 channels) or "dynamic-block-calibrated"
+        method = popjax.Dynamic(ratio=0.4, aggregate=aggregate, kernel="xla", block=1 if name == "dynamic" else 8,
+                                block_order="calibrated" if name.endswith("calibrated") else "model")
+        return method.calibrate(model, tiny_corpus(), cache=False) if method.needs_calibration else method
     if name == "larosa":
         return popjax.LaRoSa(ratio=0.4, aggregate=aggregate, kernel="xla").calibrate(model, tiny_corpus(), cache=False)
     method = popjax.CATS(ffn_sparsity=0.5, aggregate=aggregate, kernel="xla") if name == "cats" else \

@@ -3,7 +3,8 @@ block slab of the model's FFN, popjax/methods/static.py): a stacked slab read at
 that layer's own slab (TPU interpret mode and the GPU kernel in interpret mode, float and int8,
 repeated and out-of-range ids); per-row blocks are each row's own FFN (also past the kernels'
 64-row batch); ``kernel="pallas"`` equals ``"xla"`` in greedy tokens and log-probs on the tiny
-models; Mosaic compiles its decode step for a TPU, one call per layer."""
+models, in the model's channel order and in a calibrated one; Mosaic compiles its decode step for
+a TPU, one call per layer."""
 
 from __future__ import annotations
 
@@ -81,27 +82,37 @@ def llama_int8(tiny_checkpoints):
     return popjax.load(directory, cache=False, weights="int8", activations="float")
 
 
-@pytest.mark.parametrize("family, aggregate, layout", [
-    ("llama", "per_sequence", "unrolled"), ("llama", "shared", "scanned"), ("llama_int8", "per_sequence", "scanned"),
-    ("gemma3", "per_sequence", "unrolled"),
+@pytest.mark.parametrize("family, aggregate, layout, order", [
+    ("llama", "per_sequence", "unrolled", "model"), ("llama", "shared", "scanned", "model"),
+    ("llama_int8", "per_sequence", "scanned", "calibrated"), ("gemma3", "per_sequence", "unrolled", "model"),
+    ("llama", "per_sequence", "scanned", "calibrated"),
 ])
-def test_pallas_equals_xla(request, tiny_model, family, aggregate, layout):
+def test_pallas_equals_xla(request, tiny_model, family, aggregate, layout, order):
     """`kernel_paths.check_method_kernel` (a batch of 2 prompts): the kernel path reads the kept
-    blocks from the model's slab (per sequence: the rows' union), XLA a prefill copy of them."""
+    blocks from the model's slab (per sequence: the rows' union; a calibrated order: the slab laid
+    out in it), XLA a prefill copy of them."""
+    from tests.methods.test_calibration import tiny_corpus
+
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
-    check_method_kernel(model, popjax.Static(ratio=0.4, block=8, aggregate=aggregate, kernel="xla"), layout)
+    method = popjax.Static(ratio=0.4, block=8, aggregate=aggregate, kernel="xla", block_order=order)
+    check_method_kernel(model, method.calibrate(model, tiny_corpus(), cache=False) if order == "calibrated" else method, layout)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_mosaic_compiles_the_decode_step(tmp_path, batch):
+@pytest.mark.parametrize("batch, spec, kernel_name", [(1, "static:block=32", "block_ffn"),
+                                                      (2, "static:block=32:block_order=calibrated", "block_ffn"),
+                                                      (2, "dynamic:block=32:block_order=calibrated", "block_matvec")])
+def test_mosaic_compiles_the_decode_step(tmp_path, batch, spec, kernel_name):
     """Bound for a TPU, "auto" is the Mosaic kernel: one `block_ffn` call per layer, per sequence
-    too (the rows' union), and the step holds no per-sequence copy of the weights."""
+    too (the rows' union), also over a calibrated order's slab (a placeholder order,
+    `analysis.shape_fitted`), and the step holds no per-sequence copy of the weights; block
+    dynamic selection in a calibrated order reads its down copy's blocks (`block_matvec`)."""
     from popjax.analysis.tpu_compile import tpu_compile
 
     cfg = config()
     shapes = dict(SHAPES, batch=batch)
-    report = tpu_compile(cfg, "v5e:1x1", ["static:block=32"], [0.4], with_dense=False, prefill=False, hlo_dir=tmp_path, **shapes)
+    report = tpu_compile(cfg, "v5e:1x1", [spec], [0.4], with_dense=False, prefill=False, hlo_dir=tmp_path, **shapes)
     (record,) = report["records"]
-    assert record["kernel"] == "pallas-tpu"
-    step = (tmp_path / "static(block=32)-0.4.step.hlo.txt").read_text()
-    assert step.count(MOSAIC_CALL) == cfg.num_hidden_layers and "block_ffn" in step
+    assert record["kernel"] == "pallas-tpu" and record["arguments"]["method_state"] < 4096  # block ids only
+    (path,) = tmp_path.glob("*-0.4.step.hlo.txt")
+    step = path.read_text()
+    assert step.count(MOSAIC_CALL) == cfg.num_hidden_layers and kernel_name in step

@@ -42,9 +42,10 @@ def llama_int8(tiny_checkpoints):
 # after the activation), the batch's shared selection and per-row ones (CATS's per-token masks;
 # dynamic's per-sequence selection: the kernel under vmap), and the scanned model, where the layer
 # index the kernel reads the stacked copy at is traced (there block dynamic selection, whose
-# blocks the block kernel reads); int8 weights (their scales in CATS's copy)
+# blocks the block kernel reads, also in a calibrated channel order); int8 weights (their scales in CATS's copy)
 CASES = [("cats", "llama", "unrolled", "max"), ("cats", "gemma3", "scanned", "per_token"), ("cats", "llama_int8", "unrolled", "per_token"),
-         ("dynamic", "llama", "unrolled", "per_sequence"), ("dynamic-block", "llama", "scanned", "shared")]
+         ("dynamic", "llama", "unrolled", "per_sequence"), ("dynamic-block", "llama", "scanned", "shared"),
+         ("dynamic-block-calibrated", "llama", "scanned", "per_sequence")]
 
 
 @pytest.mark.parametrize("name, family, layout, aggregate", CASES)

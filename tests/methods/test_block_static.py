@@ -6,6 +6,7 @@ kernel on a block slab (interpret mode: the full suite only); bad input in one l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -31,21 +32,31 @@ def ref_kept_blocks(importance, n_keep, b):
     return [k * b + i for k in blocks for i in range(b)]
 
 
-def with_slab(W, b):
-    """The layer as a plan receives it, with its block slab as the method's data (a stack of one)."""
+def with_slab(W, b, order=None):
+    """The layer as a plan receives it, with its block slab (of the channels in ``order``, a
+    permutation [f], and the order itself when given) as the method's data (stacks of one)."""
     w = as_jax(W)
-    return as_jax(W, data={"slab": stacked_block_layout(w.gate_up[None], w.down[None], b)})
+    gate_up, down = (w.gate_up, w.down) if order is None else (w.gate_up[:, order], w.down[:, order])
+    data = {"slab": stacked_block_layout(gate_up[None], down[None], b)}
+    if order is not None:
+        data["order"] = jnp.asarray(order, jnp.int32)[None]
+    return as_jax(W, data=data)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("f, n_keep, b, aggregate", [(96, 56, 8, "shared"), (96, 40, 4, "per_sequence"), (64, 48, 16, "per_sequence")])
-def test_block_static_matches_the_reference(f, n_keep, b, aggregate, kernel):
+@pytest.mark.parametrize("f, n_keep, b, aggregate, permuted", [(96, 56, 8, "shared", False), (96, 40, 4, "per_sequence", False),
+                                                               (64, 48, 16, "per_sequence", False), (96, 40, 8, "per_sequence", True),
+                                                               (64, 32, 16, "shared", True)])
+def test_block_static_matches_the_reference(f, n_keep, b, aggregate, permuted, kernel):
+    """Blocks of the model's channel order, or (``permuted``: block_order="calibrated") of a
+    given channel order: block k holds channels order[k·b … k·b + b − 1]."""
     rng = np.random.default_rng(f + n_keep + b)
     d = 16
     W = random_layer(rng, d, f)
     X, valid = random_batch(rng, d, [5, 8, 3], T=8)
-    plan = StaticPlan(f=f, n_keep=n_keep, aggregate=aggregate, block=b, kernel=kernel)
-    w = with_slab(W, b)
+    order = rng.permutation(f) if permuted else np.arange(f)
+    plan = StaticPlan(f=f, n_keep=n_keep, aggregate=aggregate, block=b, kernel=kernel, calibrated_order=permuted)
+    w = with_slab(W, b, order if permuted else None)
     y, state, _ = plan.prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
     if kernel != "xla":
         assert set(state) == {"kept_blocks"}  # no copy of the weights
@@ -53,7 +64,7 @@ def test_block_static_matches_the_reference(f, n_keep, b, aggregate, kernel):
     kept = []
     for row in rows:
         importance = ref_prefill(W, X[row], valid[row], n_keep, 0)[3]
-        kept.append(ref_kept_blocks(importance, n_keep, b))
+        kept.append([int(order[p]) for p in ref_kept_blocks(importance[order], n_keep, b)])
         Y_ref = ref_hidden(W, X[row])[..., kept[-1]] @ W["down"][kept[-1]]
         np.testing.assert_allclose(np.asarray(y[row])[valid[row]], Y_ref[valid[row]], atol=ATOL)
     for step in range(2):
@@ -85,3 +96,35 @@ def test_sizes_bytes_and_bad_input(tiny_model):
         popjax.Static(0.4, block=0)
     with pytest.raises(MethodError, match=r"^kernel='mosaic' is not one of \('auto', 'xla', 'pallas'\)"):
         popjax.Static(0.4, block=8, kernel="mosaic")
+    with pytest.raises(MethodError, match=r"^block_order='calibrated' applies to block > 1 \(block=1\)$"):
+        popjax.Static(0.4, block_order="calibrated")
+    with pytest.raises(MethodError, match=r"^Static: block_order='calibrated' has no channel order: use Static\(...\).calibrate"):
+        popjax.Static(0.4, block=8, block_order="calibrated").bind(cfg)
+    with pytest.raises(MethodError, match=r"^Dynamic: block_order='calibrated' has no channel order: use Dynamic\(...\).calibrate"):
+        popjax.Dynamic(0.4, block=8, block_order="calibrated").bind(cfg)
+    with pytest.raises(MethodError, match=r"^block_order='sorted' is not one of \('model', 'calibrated'\)"):
+        popjax.Dynamic(0.4, block=8, block_order="sorted")
+
+
+def test_calibrated_order_ranks_each_layers_channels_by_corpus_importance(tiny_model):
+    """`Static.calibrate`: each layer's channels by decreasing √Σ_t H[t, j]² · ‖W_d[:, j]‖₂ over
+    the corpus's tokens (Σ H² is the calibration pipeline's, checked against transformers in
+    test_calibration.py; the ranking is checked here, in NumPy)."""
+    from popjax.calibration import collect
+    from popjax.methods.flap import ActivationMoments
+    from tests.methods.test_calibration import tiny_corpus
+
+    corpus = tiny_corpus()
+    method = popjax.Static(0.4, block=8, block_order="calibrated").calibrate(tiny_model, corpus, cache=False)
+    assert method.needs_calibration and method.prepare(tiny_model) is method
+    order, cfg = method.order.order, tiny_model.config
+    assert order.shape == (cfg.num_hidden_layers, cfg.intermediate_size) and order.dtype == np.int32
+    sumsq = collect(tiny_model, ActivationMoments(), corpus)["sumsq"]
+    importance = np.sqrt(sumsq) * np.linalg.norm(np.asarray(tiny_model.ffn_stack().down, np.float64), axis=1)
+    for layer in range(cfg.num_hidden_layers):
+        assert sorted(order[layer].tolist()) == list(range(cfg.intermediate_size))
+        assert np.all(np.diff(importance[layer][order[layer]]) <= 0)  # decreasing
+    plan = method.bind(cfg)
+    assert plan.calibrated_order and set(method.data(tiny_model)) == {"order"}
+    pallas = dataclasses.replace(method, kernel="pallas")
+    assert set(pallas.data(tiny_model)) == {"order", "slab"}

@@ -152,28 +152,34 @@ def test_static_and_dynamic_match_reference(f, n_keep, aggregate):
             np.testing.assert_allclose(np.asarray(y_t[g]), want, atol=ATOL)
 
 
-def ref_block_dynamic_decode(W, x, n_keep, block):
-    """Dynamic by whole blocks: a block of ``block`` consecutive channels scores the L2 norm of
-    its channels' scores; the top n_keep/block blocks (ties: the lower block) are kept whole."""
+def ref_block_dynamic_decode(W, x, n_keep, block, order=None):
+    """Dynamic by whole blocks: a block of ``block`` consecutive channels (of ``order``, a
+    permutation: block k holds channels order[k·b … k·b + b − 1]; default the model's order)
+    scores the L2 norm of its channels' scores; the top n_keep/block blocks (ties: the lower
+    block) are kept whole."""
     H = ref_hidden(W, x)
     dn = ref_down_norms(W)
-    scores = [math.sqrt(sum(H[b, 0, j] ** 2 for b in range(x.shape[0]))) * dn[j] for j in range(H.shape[-1])]
+    order = list(range(H.shape[-1])) if order is None else [int(c) for c in order]
+    scores = [math.sqrt(sum(H[b, 0, j] ** 2 for b in range(x.shape[0]))) * dn[j] for j in order]
     block_scores = [math.sqrt(sum(s * s for s in scores[k * block : (k + 1) * block])) for k in range(len(scores) // block)]
-    keep = [k * block + i for k in ref_rank(block_scores)[: n_keep // block] for i in range(block)]
+    keep = [order[k * block + i] for k in ref_rank(block_scores)[: n_keep // block] for i in range(block)]
     return H[..., keep] @ W["down"][keep]
 
 
-@pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
-def test_block_dynamic_matches_reference(aggregate):
-    """``Dynamic(block=b)``'s step: the top n_keep/b blocks of b consecutive channels by the L2
-    norm of their scores, each kept whole (f = 96, b = 8, n_keep = 48: 6 of 12 blocks)."""
+@pytest.mark.parametrize("aggregate, permuted", [("shared", False), ("per_sequence", False), ("per_sequence", True)])
+def test_block_dynamic_matches_reference(aggregate, permuted):
+    """``Dynamic(block=b)``'s step: the top n_keep/b blocks of b consecutive channels (of the
+    model's order, or of a calibrated order given as the method's data) by the L2 norm of their
+    scores, each kept whole (f = 96, b = 8, n_keep = 48: 6 of 12 blocks)."""
     rng = np.random.default_rng(5)
     d, f, n_keep, block = 16, 96, 48, 8
     W = random_layer(rng, d, f)
     X, valid = random_batch(rng, d, [4, 7], T=7)
     x_t = rng.normal(0, 1.0, (2, 1, d))
-    plan = DynamicPlan(f=f, n_keep=n_keep, aggregate=aggregate, block=block)
-    _, state, _ = plan.prefill(as_jax(W), jnp.asarray(X, jnp.float32), jnp.asarray(valid))
-    y_t, _, _ = plan.decode(as_jax(W), state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
+    order = rng.permutation(f) if permuted else None
+    w = as_jax(W, data=None if order is None else {"order": jnp.asarray(order, jnp.int32)[None]})
+    plan = DynamicPlan(f=f, n_keep=n_keep, aggregate=aggregate, block=block, calibrated_order=permuted)
+    _, state, _ = plan.prefill(w, jnp.asarray(X, jnp.float32), jnp.asarray(valid))
+    y_t, _, _ = plan.decode(w, state, jnp.asarray(x_t, jnp.float32), 0, jnp.ones((2, 1), bool))
     for g in [slice(0, 2)] if aggregate == "shared" else [slice(0, 1), slice(1, 2)]:
-        np.testing.assert_allclose(np.asarray(y_t[g]), ref_block_dynamic_decode(W, x_t[g], n_keep, block), atol=ATOL)
+        np.testing.assert_allclose(np.asarray(y_t[g]), ref_block_dynamic_decode(W, x_t[g], n_keep, block, order), atol=ATOL)
