@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..calibration import calibrate
 from ..loaded import check_uniform_ffn, unrolled
 from ..models.config import ModelConfig
-from .base import MethodError, check_choice, kept_channels, resolve_corpus
+from .base import MethodError, block_channels, check_choice, kept_channels, resolve_corpus, top_blocks
 from .fitted import FittedArrays
 from .flap import ActivationMoments
 
@@ -56,6 +57,21 @@ def calibrated_order(model, corpus=None, **calibrate_kwargs: Any) -> ChannelOrde
     order = np.argsort(-importance, axis=1, kind="stable").astype(np.int32)
     order.flags.writeable = False
     return ChannelOrder(f"{model.source} / {corpus.name} ({corpus.n_tokens} tokens)", order)
+
+
+def layer_order(w, calibrated: bool) -> jax.Array | None:
+    """The layer's calibrated channel order [f] (the method's data ``w.data["order"]`` at
+    ``w.layer``), or None for the model's own order."""
+    return jax.lax.dynamic_index_in_dim(w.data["order"], w.layer, keepdims=False) if calibrated else None
+
+
+def ordered_blocks(scores: jax.Array, order: jax.Array | None, count: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """The top ``count`` blocks of ``block`` consecutive channels of ``order`` (None: the model's
+    order) by the L2 norm of their channels' ``scores`` [f] -> (their block ids in that layout
+    [count], their channel ids [count · block])."""
+    blocks = top_blocks(scores if order is None else scores[order], count, block)[1]
+    positions = block_channels(blocks, block)
+    return blocks, positions if order is None else order[positions]
 
 
 @dataclasses.dataclass(frozen=True)

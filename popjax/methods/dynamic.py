@@ -27,9 +27,9 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..models.config import ModelConfig
-from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, block_channels, check_block,
-                   check_choice, down_proj, kept_channels, round_half_up, score_prompt, step_importance, take_channels, top_blocks)
-from .channel_order import BlockOrdered
+from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_block,
+                   check_choice, down_proj, kept_channels, round_half_up, score_prompt, step_importance, take_channels)
+from .channel_order import BlockOrdered, layer_order, ordered_blocks
 from .input_rows import input_rows_data, kernel_down, kernel_down_blocks, kernel_weights_read, ordered_down_rows, resolve_kernel
 
 
@@ -55,13 +55,12 @@ class DynamicPlan(AggregatedPlan):
         h = activations(w.gate_up, x, gate_activation(w))  # [B, 1, f]
         scores = step_importance(h, valid, w.down_norm)  # [f]
         if self.block > 1:  # whole blocks: the top n_keep/b by the L2 norm of their channels' scores
-            order = jax.lax.dynamic_index_in_dim(w.data["order"], w.layer, keepdims=False) if self.calibrated_order else None
-            blocks = top_blocks(scores if order is None else scores[order], self.n_keep // self.block, self.block)[1]
+            order = layer_order(w, self.calibrated_order)
+            blocks, selected = ordered_blocks(scores, order, self.n_keep // self.block, self.block)
             if self.kernel != "xla":  # the down copy is laid out in the blocks' order
                 y = kernel_down_blocks(w, h if order is None else h[..., order], blocks, block=self.block, d=x.shape[-1],
                                        kernel=self.kernel)
                 return y, state, {"scores": scores}
-            selected = block_channels(blocks, self.block) if order is None else order[block_channels(blocks, self.block)]
         else:
             _, selected = jax.lax.top_k(scores, self.n_keep)
         if self.kernel == "xla":

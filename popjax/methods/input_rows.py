@@ -76,13 +76,24 @@ def input_rows_data(model, parts: tuple[str, ...] = ROW_PARTS) -> dict[str, Inpu
     return model.derived("input_major_rows/" + "+".join(parts), lambda m: {part: build(part) for part in parts})
 
 
+def in_order(stack: FFNStack, order) -> FFNStack:
+    """Every layer's FFN with its channels in ``order`` [L, f] (channel j of layer l = the
+    model's channel order[l, j]; None: the stack as it is): gate/up rows and down columns alike."""
+    if order is None:
+        return stack
+    o = jnp.asarray(order)  # [L, f]
+    gate_up = jnp.take_along_axis(stack.gate_up, o[:, None, :, None], axis=2)  # [L, 2, f, d]
+    down = jnp.take_along_axis(stack.down, o[:, None, :], axis=2)  # [L, d, f]
+    scale = None if stack.gate_up_scale is None else jnp.take_along_axis(stack.gate_up_scale, o[:, None, :, None], axis=2)
+    return FFNStack(gate_up, down, scale, stack.down_scale)  # down's scales are per output: unchanged
+
+
 def ordered_down_rows(model, order) -> InputRows:
     """W_d's input-major copy (`input_rows_data`'s "down") with each layer's rows in ``order``
     [L, f] (row j of layer l = channel order[l, j]): block dynamic's in a calibrated order."""
     def build(m):
-        stack = m.ffn_stack()
-        down = jnp.take_along_axis(stack.down, jnp.asarray(order)[:, None, :], axis=2)
-        return replicated(m, stacked_input_layout(down, stack.down_scale))
+        stack = in_order(m.ffn_stack(), order)
+        return replicated(m, stacked_input_layout(stack.down, stack.down_scale))
 
     return model.derived(f"input_major_down/{array_digest(order)[:16]}", build)
 
@@ -105,14 +116,8 @@ def block_slab_data(model, block: int, order=None) -> BlockSlab:
     per model, block size and order and, on a mesh, replicated (as `input_rows_data`): a second
     copy of the FFN weights, which block static's kernel steps read."""
     def build(m):
-        stack = m.ffn_stack()
-        gate_up, down, gate_up_scale = stack.gate_up, stack.down, stack.gate_up_scale
-        if order is not None:  # channel j of the layout is channel order[l, j] of layer l
-            o = jnp.asarray(order)
-            gate_up = jnp.take_along_axis(gate_up, o[:, None, :, None], axis=2)
-            down = jnp.take_along_axis(down, o[:, None, :], axis=2)
-            gate_up_scale = None if gate_up_scale is None else jnp.take_along_axis(gate_up_scale, o[:, None, :, None], axis=2)
-        return replicated(m, stacked_block_layout(gate_up, down, block, gate_up_scale, stack.down_scale))
+        stack = in_order(m.ffn_stack(), order)
+        return replicated(m, stacked_block_layout(stack.gate_up, stack.down, block, stack.gate_up_scale, stack.down_scale))
 
     name = "model" if order is None else array_digest(order)[:16]
     return model.derived(f"block_slab/{block}/{name}", build)

@@ -25,14 +25,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from .. import kernels
 from ..models.config import ModelConfig
-from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, block_channels, check_block,
-                   check_choice, copy_channels, copy_gate_up, down_proj, kept_channels, masked_down, score_prompt, top_blocks)
-from .channel_order import BlockOrdered
+from .base import (gate_activation, AggregatedPlan, DensePlan, MethodError, Plan, RatioMethod, activations, check_block,
+                   check_choice, copy_channels, copy_gate_up, down_proj, kept_channels, masked_down, score_prompt)
+from .channel_order import BlockOrdered, layer_order, ordered_blocks
 from .dynamic import block_keep
 from .input_rows import block_slab_data, kernel_block_ffn, resolve_kernel
 
@@ -61,10 +60,8 @@ class StaticPlan(AggregatedPlan):
             kept = order[: self.n_keep]
         else:  # whole blocks: the top n_keep/b by the L2 norm of their channels' importance
             _, _, importance, h = score_prompt(w, x, valid, self.n_keep, with_h=True)
-            order = jax.lax.dynamic_index_in_dim(w.data["order"], w.layer, keepdims=False) if self.calibrated_order else None
-            laid_out = importance if order is None else importance[order]  # the blocks' layout
-            blocks = top_blocks(laid_out, self.n_keep // self.block, self.block)[1]
-            kept = block_channels(blocks, self.block) if order is None else order[block_channels(blocks, self.block)]
+            order = layer_order(w, self.calibrated_order)
+            blocks, kept = ordered_blocks(importance, order, self.n_keep // self.block, self.block)
             y = masked_down(h, kept, w.down)
             if self.kernel != "xla":
                 return y, {"kept_blocks": blocks}, {"importance": importance}  # [n_keep/b]
