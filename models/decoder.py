@@ -27,15 +27,29 @@ from ..kernels.int8 import dot
 from .rope import check_rope_type, layer_rope
 
 
-def cache_attention(cache: KVCache, key_valid: jax.Array, write_index, window, ring: bool, at: tuple = ()) -> Callable:
+def cache_attention(cache: KVCache, key_valid: jax.Array, write_index, window, ring: bool, at: tuple = (),
+                    write: bool = True) -> Callable:
     """The attention of T fresh tokens over a cache k, v [..., B, S, n_kv, h] (``at``: the
-    leading indices of a stacked cache) as `Attention` calls it: ``(q, k, v, scale) -> out``,
-    around the one decode kernel `kernels.attention.cached_attention`."""
+    leading indices of a stacked cache) as `Attention` calls it: ``(q, k, v, scale) -> (out, kv)``,
+    around the one decode kernel `kernels.attention.cached_attention`. ``write``: ``kv`` is the
+    cache with the fresh entries written at ``write_index`` (into the arrays the kernel's block
+    loop hands back: written before they are read, so XLA updates the cache in place, see
+    `kernels.attention.cached_attention`); else ``kv`` is the fresh entries [B, T, n_kv, h] (a
+    scanned model writes them after its scan)."""
     slots = cache.k.shape[len(at) + 1]
 
     def attend(q, k, v, scale):
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-        return cached_attention(q, k, v, cache_reader(cache.k, cache.v, at), slots, key_valid, write_index, window, scale, ring)
+        fresh = KVCache(k, v)
+        if not write:
+            return cached_attention(q, k, v, cache_reader(cache.k, cache.v, at), slots, key_valid, write_index, window, scale, ring)[0], fresh
+        if ring and k.shape[1] > 1:  # a ring takes several tokens only after they were read (`cached_attention`)
+            out, reader = cached_attention(q, k, v, cache_reader(cache.k, cache.v, at), slots, key_valid, write_index, window, scale, ring)
+            return out, _write(KVCache(reader.k, reader.v), fresh, write_index, ring)
+        written = _write(cache, fresh, write_index, ring)
+        out, reader = cached_attention(q, k, v, cache_reader(written.k, written.v, at), slots, key_valid, write_index, window, scale, ring,
+                                       written=True)
+        return out, KVCache(reader.k, reader.v)
 
     return attend
 
@@ -54,7 +68,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, key_valid, attend_cache, fn: FFNFn, state, valid, index=0, window: Any = "layer",
                  gate=None):
-        """x [B, T, d] -> (x [B, T, d], the T tokens' fresh KVCache [B, T, n_kv, h], state, aux).
+        """x [B, T, d] -> (x [B, T, d], kv, state, aux): ``kv`` the T tokens' fresh KVCache
+        [B, T, n_kv, h], or what ``attend_cache`` returned for them (the layer's written cache).
         cos/sin [B, T, h] are the angles of this layer's kind; ``attend_cache`` None (prefill) or
         the attention over the cache (`cache_attention`); ``fn``/``state``/``valid`` the FFN
         hook's function, this layer's state and the valid tokens [B, T].
@@ -64,7 +79,7 @@ class DecoderLayer(nnx.Module):
         layer ``index`` (a scanned model, whose index is traced, passes its own). ``gate`` [B, T]
         (optional) scales both residual branches, ``x + g·Attn(x)`` and ``y + g·FFN(y)``."""
         window = self.cfg.window(index) if isinstance(window, str) else window
-        attn_out, fresh = self.attn(self.attn_norm(x), cos, sin, key_valid, attend_cache, window)
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, key_valid, attend_cache, window)
         if self.cfg.sandwich_norms:
             attn_out = self.attn_post_norm(attn_out)
         if gate is not None:
@@ -73,7 +88,7 @@ class DecoderLayer(nnx.Module):
         y, state, aux = self.feed_forward(x, fn, state, valid, index)
         if gate is not None:
             y = y * gate[..., None].astype(y.dtype)
-        return x + y, fresh, state, aux
+        return x + y, kv, state, aux
 
     def feed_forward(self, x, fn: FFNFn, state, valid, index=0):
         """The FFN branch on the residual stream x [B, T, d] -> (y [B, T, d] in x's dtype, state,
@@ -165,11 +180,11 @@ class Transformer(nnx.Module, TokenEmbeddings):
                 key_valid = key_valid & (jnp.arange(key_valid.shape[1]) >= control.prefix_end)[None]
             own = None if cache.caches is None else cache.caches[i]
             attend = None if own is None else cache_attention(own, key_valid, cache.write_index, window, window is not None)
-            x, fresh, state, aux = layer(
+            x, kv, state, aux = layer(
                 x, cos, sin, key_valid, attend, ffn.at(i), None if ffn.states is None else ffn.states[i], ffn.valid, i,
                 gate=None if control.gates is None else control.gates[i],
             )
-            new_caches.append(fresh if own is None else _write(own, fresh, cache.write_index, window is not None))
+            new_caches.append(kv)  # prefill: the fresh entries; decode: the layer's cache, written
             new_states.append(state)
             auxes.append(aux)
         if last_only:

@@ -218,20 +218,22 @@ class Attention(nnx.Module, LinearWeights):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, attend_cache=None,
                  window: int | jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, T] (prefill) -> (out [B, T, d], the T
-        tokens' fresh KVCache [B, T, n_kv, h], which the caller writes into its cache).
+        """x [B, T, d]; cos/sin [B, T, h]; key_valid [B, T] (prefill) -> (out [B, T, d], kv): the T
+        tokens' fresh KVCache [B, T, n_kv, h], which the caller writes into its cache, or, with
+        ``attend_cache``, the ``kv`` it returns (`models.decoder.cache_attention`: the layer's
+        cache with them written, or the fresh entries).
 
         ``attend_cache`` None (prefill): the T tokens attend to each other causally (within
         ``window``, the layer's sliding window; None: full attention). Otherwise a function
-        ``(q [B, T, n_q, h], k, v [B, T, n_kv, h], scale) -> [B, T, n_q, h]`` that attends them to
-        the cache's earlier slots and to themselves (`models.decoder.cache_attention`, around the
+        ``(q [B, T, n_q, h], k, v [B, T, n_kv, h], scale) -> ([B, T, n_q, h], kv)`` that attends
+        them to the cache's earlier slots and to themselves (`models.decoder.cache_attention`, around the
         one decode kernel `kernels.attention.cached_attention`)."""
         q, k, v = self.rotated_qkv(x, cos, sin)
         if attend_cache is None:
-            out = causal_attention(q, k, v, key_valid, self.scale, window)
+            out, kv = causal_attention(q, k, v, key_valid, self.scale, window), KVCache(k, v)
         else:
-            out = attend_cache(q, k, v, self.scale)
-        return linear(out.reshape(*x.shape[:2], self.cfg.q_dim), self.weight("o")), KVCache(k, v)
+            out, kv = attend_cache(q, k, v, self.scale)
+        return linear(out.reshape(*x.shape[:2], self.cfg.q_dim), self.weight("o")), kv
 
     def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] -> q [B, T, n_q, h], k, v [B, T, n_kv, h]: projected, q/k-normed, RoPE'd."""

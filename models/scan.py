@@ -85,13 +85,13 @@ def stacked_cache_attention(cfg: ModelConfig, caches, index, kind, key_valid, wr
     the stack at (layer, block). With layer kinds (``kind``), a ``lax.cond`` reads the layer's
     own stack: the full layers' cache or the sliding layers' rings."""
     if kind is None:
-        return cache_attention(caches, key_valid, write_index, None, False, at=(index,))
+        return cache_attention(caches, key_valid, write_index, None, False, at=(index,), write=False)
 
     def attend(q, k, v, scale):
-        ring = lambda: cache_attention(caches.sliding, key_valid, write_index, kind.window, True, at=(kind.ordinal,))(q, k, v, scale)
+        ring = lambda: cache_attention(caches.sliding, key_valid, write_index, kind.window, True, at=(kind.ordinal,), write=False)(q, k, v, scale)
         if not cfg.full_layers:
             return ring()
-        full = lambda: cache_attention(caches.full, key_valid, write_index, None, False, at=(kind.ordinal,))(q, k, v, scale)
+        full = lambda: cache_attention(caches.full, key_valid, write_index, None, False, at=(kind.ordinal,), write=False)(q, k, v, scale)
         return jax.lax.cond(kind.sliding, ring, full)
 
     return attend

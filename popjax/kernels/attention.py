@@ -28,6 +28,8 @@ a finite, unused output instead of NaN.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,14 +152,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Ar
     return jnp.moveaxis(blocks, 0, 1).reshape(B, T, n_q, h)
 
 
-def attend_blocks(key_block, carry, n_blocks, blocks: int):
-    """``key_block(j, carry)`` over the first ``n_blocks`` (traced) of a cache's ``blocks``
-    (static) key blocks. A one-block cache runs its block without a loop, whose per-layer
-    overhead is most of a short cache's attention; were that block not yet written, it is all
-    masked, and the always-unmasked fresh tokens' block rescales it away."""
+def attend_blocks(key_block, carry, reader: CacheReader, n_blocks, blocks: int):
+    """``key_block(j, carry, reader)`` over the first ``n_blocks`` (traced) of a cache's
+    ``blocks`` (static) key blocks -> (carry, reader). The reader rides in the loop's carry and
+    comes back out, unchanged: a caller that then writes the cache writes the loop's own output,
+    which XLA updates in place. Closing over the cache instead, and writing the cache the loop
+    had read, made XLA copy the whole cache twice per layer and step (the decode step's bytes grew
+    with the capacity; tests/engine/test_capacity.py reads the compiled HLO for it). A one-block
+    cache runs its block without a loop, whose per-layer overhead is most of a short cache's
+    attention; were that block not yet written, it is all masked, and the always-unmasked fresh
+    tokens' block rescales it away."""
     if blocks == 1:
-        return key_block(jnp.int32(0), carry)
-    return jax.lax.fori_loop(0, n_blocks, key_block, carry)
+        return key_block(jnp.int32(0), carry, reader), reader
+    body = lambda j, loop: (key_block(j, loop[0], loop[1]), loop[1])
+    return jax.lax.fori_loop(0, n_blocks, body, (carry, reader))
 
 
 # ------------------------------------------------------------------ sliding-window ring buffers
@@ -187,64 +195,86 @@ def ring_write(ring: jax.Array, fresh: jax.Array, write_index: jax.Array, axis: 
     return ring.at[(*lead, slots)].set(fresh[(*lead, slice(T - keep, T))].astype(ring.dtype))
 
 
-def cache_reader(k_cache: jax.Array, v_cache: jax.Array, at: tuple = ()):
+class CacheReader(NamedTuple):
     """A block reader over a cache k, v [..., B, S, n_kv, h]: ``read(start, size)`` -> (k, v)
     [B, size, n_kv, h]. ``at`` fixes the leading indices (a scanned model's stacked [L, B, S, ...]
-    cache: ``at=(layer,)``, read straight from the stack: slicing a layer out first would copy it)."""
-    lead = len(at)
+    cache: ``at=(layer,)``, read straight from the stack: slicing a layer out first would copy it).
+    A pytree, so `cached_attention` carries it through its block loop and hands it back."""
 
-    def read(start, size):
+    k: jax.Array
+    v: jax.Array
+    at: tuple = ()
+
+    def read(self, start, size):
+        lead = len(self.at)
         zero = jnp.int32(0)
-        index = (*(jnp.asarray(i, jnp.int32) for i in at), zero, jnp.asarray(start, jnp.int32), zero, zero)
-        shape = (*(1,) * lead, k_cache.shape[lead], size, *k_cache.shape[lead + 2:])
-        k = jax.lax.dynamic_slice(k_cache, index, shape)
-        v = jax.lax.dynamic_slice(v_cache, index, shape)
+        index = (*(jnp.asarray(i, jnp.int32) for i in self.at), zero, jnp.asarray(start, jnp.int32), zero, zero)
+        shape = (*(1,) * lead, self.k.shape[lead], size, *self.k.shape[lead + 2:])
+        k = jax.lax.dynamic_slice(self.k, index, shape)
+        v = jax.lax.dynamic_slice(self.v, index, shape)
         return k.reshape(k.shape[lead:]), v.reshape(v.shape[lead:])
 
-    return read
+
+def cache_reader(k_cache: jax.Array, v_cache: jax.Array, at: tuple = ()) -> CacheReader:
+    """A `CacheReader` over k, v [..., B, S, n_kv, h] at the leading indices ``at``."""
+    return CacheReader(k_cache, v_cache, tuple(at))
 
 
-def cached_attention(q, k, v, read_block, slots: int, key_valid, write_index, window=None, scale=None,
-                     ring: bool = False) -> jax.Array:
+def cached_attention(q, k, v, reader: CacheReader, slots: int, key_valid, write_index, window=None, scale=None,
+                     ring: bool = False, written: bool = False) -> tuple[jax.Array, CacheReader]:
     """Decode attention over a cache, the one kernel every cached layer runs (unrolled or
     scanned, full or sliding). q [B, T, n_q, h], k, v [B, T, n_kv, h] for the T tokens at
-    indices ``write_index ..`` (not yet in the cache); ``read_block(start, size)`` -> the
-    cache's (k, v) [B, size, n_kv, h] from slot ``start`` (`cache_reader`); ``slots`` the
+    indices ``write_index ..`` (not yet in the cache, or already, with ``written``: then the
+    blocks read them too and the fresh k, v are not read again); ``reader`` the cache's `CacheReader`
+    (``read(start, size)`` -> (k, v) [B, size, n_kv, h] from slot ``start``); ``slots`` the
     cache's slots S (a sliding layer's ring: R); key_valid [B, S_total] over cache indices ->
-    [B, T, n_q, h].
+    (out [B, T, n_q, h], the reader as the block loop hands it back: write the fresh entries into
+    its arrays, not into the ones passed in, so the cache is updated in place).
 
-    Slot s holds index ``held = last − ((last − s) mod slots)`` (last = write_index − 1;
-    negative: never written): for a full cache (``ring=False``, never wrapped) that is s itself
-    for every written slot. Only the blocks holding written slots are read (``min(write_index,
-    slots)``), then the fresh keys: a cache sized for 4096 new tokens costs what the current
-    length needs."""
+    Slot s holds index ``held = last − ((last − s) mod slots)`` (last: the last index written,
+    write_index − 1, or write_index + T − 1 when ``written``; negative: never written): for a full
+    cache (``ring=False``, never wrapped) that is s itself for every written slot. Only the blocks
+    holding written slots are read (``min(last + 1, slots)``), then the fresh keys unless they
+    were written: a cache sized for 4096 new tokens costs what the current length needs.
+
+    Why ``written`` exists: a layer that owns its cache (an unrolled model) writes the fresh
+    entries first and then reads, so the block loop reads the cache the step returns; reading
+    first and writing after made XLA copy the whole cache twice per layer and step (the step's
+    bytes grew with the capacity; tests/engine/test_capacity.py). A ring can be written first
+    only for one token (R ≥ window: the slot it overwrites left every window); more tokens would
+    overwrite entries the earlier queries still need."""
     B, T, n_q, h = q.shape
     n_kv = k.shape[2]
     qg = group_queries(q, n_kv)
     bs = min(KV_BLOCK, slots)
     if slots % bs:
         raise ValueError(f"cache of {slots} slots is not a multiple of the {bs}-slot block; size it with cache_slots() or ring_slots()")
-    last = write_index - 1
+    if written and ring and T > 1:
+        raise ValueError(f"a ring buffer is written before attention only one token at a time, not {T}: read it first (written=False)")
+    end = write_index + (T if written else 0)  # the cache holds indices < end
+    last = end - 1
     q_index = write_index + jnp.arange(T)
 
-    def key_block(j, carry):
-        k_j, v_j = read_block(j * bs, bs)
+    def key_block(j, carry, reader):
+        k_j, v_j = reader.read(j * bs, bs)
         slot = j * bs + jnp.arange(bs)
         if ring:  # the cache index each slot holds
             held = last - jnp.mod(last - slot, slots)
             valid = (held >= 0)[None] & jnp.take(key_valid, jnp.maximum(held, 0), axis=1)  # [B, bs]
-        else:  # a full cache: slot = index, written below write_index
+        else:  # a full cache: slot = index, written below end
             held = slot
-            valid = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1) & (slot < write_index)[None]
+            valid = jax.lax.dynamic_slice_in_dim(key_valid, j * bs, bs, axis=1) & (slot < end)[None]
         mask = valid[:, None, :] & in_window(q_index[:, None], held[None, :], window)[None]  # [B, T, bs]
         scores = jnp.where(mask[:, None, None], attention_scores(qg, k_j, scale), MASKED)
         return online_softmax_update(carry, scores, v_j)
 
-    n_blocks = (jnp.minimum(write_index, slots) + bs - 1) // bs
-    carry = attend_blocks(key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h), n_blocks, slots // bs)
+    n_blocks = (jnp.minimum(end, slots) + bs - 1) // bs
+    carry, reader = attend_blocks(key_block, init_softmax_carry(B, n_kv, n_q // n_kv, T, h), reader, n_blocks, slots // bs)
+    if written:
+        return finish_softmax(carry, v.dtype).reshape(B, T, n_q, h), reader
     fresh_valid = jax.lax.dynamic_slice_in_dim(key_valid, write_index, T, axis=1)  # [B, T]
     t = jnp.arange(T)
     mask = fresh_valid[:, None, :] & in_window(t[:, None], t[None, :], window)[None]  # [B, T, T]
     scores = jnp.where(mask[:, None, None], attention_scores(qg, k, scale), MASKED)
     carry = online_softmax_update(carry, scores, v)
-    return finish_softmax(carry, v.dtype).reshape(B, T, n_q, h)
+    return finish_softmax(carry, v.dtype).reshape(B, T, n_q, h), reader

@@ -73,7 +73,7 @@ def test_cached_attention_reads_only_written_blocks_and_equals_full_softmax(writ
     k_cache, v_cache = k.copy(), v.copy()
     k_cache[:, write_index:] = 1e4
     read = cache_reader(jnp.asarray(k_cache), jnp.asarray(v_cache))
-    got = cached_attention(jnp.asarray(q), fresh_k, fresh_v, read, S, jnp.asarray(key_valid), jnp.int32(write_index))
+    got, _ = cached_attention(jnp.asarray(q), fresh_k, fresh_v, read, S, jnp.asarray(key_valid), jnp.int32(write_index))
     slots = np.arange(S)
     causal = slots[None, :] <= (write_index + np.arange(T))[:, None]  # [T, S]
     want = reference_attention(q, k, v, key_valid[:, None, :] & causal[None])

@@ -236,7 +236,7 @@ def test_ring_cache_attention_equals_reference_for_several_new_tokens():
     read = cache_reader(k_ring, v_ring)
     fresh_k, fresh_v = jnp.asarray(k_all[:, past:past + T]), jnp.asarray(v_all[:, past:past + T])
     got = np.asarray(cached_attention(jnp.asarray(q), fresh_k, fresh_v, read, ring, jnp.asarray(valid), jnp.int32(past), window, scale,
-                                      ring=True))
+                                      ring=True)[0])
     index = np.arange(past + T)
     want = _reference_attention(q[0], k_all[0, :past + T], v_all[0, :past + T], past + np.arange(T), index,
                                 valid[0, :past + T], window, scale)
