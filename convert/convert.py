@@ -14,6 +14,7 @@ from ..models import moe as moe_shapes
 from ..models.config import ModelConfig
 from ..models.vision_config import vision_tensor_shapes
 from . import names, readers
+from .fused_experts import split_fused_experts
 from .readers import CheckpointError
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -133,7 +134,7 @@ def convert_hf(directory: Path, dtype: str = "float32") -> ConvertedCheckpoint:
     files = readers.hf_shard_files(directory)
     params = assemble(
         cfg,
-        readers.iter_hf_tensors(files),
+        split_fused_experts(cfg, readers.iter_hf_tensors(files)),  # Qwen3-VL-MoE's [E, …] expert tensors, per expert
         readers.hf_tensor_count(files),
         names.hf_rules(cfg),
         names.HF_IGNORED,

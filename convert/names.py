@@ -59,12 +59,17 @@ GEMMA3_HF_RULES = (
     Rule(r"model\.norm\.weight", "final_norm.weight", "plus_one"),
     Rule(r"lm_head\.weight", "lm_head"),
 )
-# Qwen2-VL / Qwen2.5-VL: the language model under Qwen2's names (as ``save_pretrained`` and the hub
+# Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the language model under Qwen2's names (as ``save_pretrained`` and the hub
 # write them, or under ``model.language_model.`` as transformers 5.x names them in memory), the
 # vision tower's tensors kept under their own names below ``vision.`` (models/vision_config.py reads them)
 VL_HF_RULES = tuple(
     Rule(r.pattern.replace(r"model\.", r"model\.(?:language_model\.)?", 1), r.target, r.transform)
     for r in HF_RULES if ".mlp.experts" not in r.target and "router" not in r.target and "shared" not in r.target
+) + (Rule(r"(?:model\.)?visual\.(.+)", "vision.{0}"),)
+# Qwen3-VL-MoE: the same with the MoE rules (its fused expert tensors reach them split per expert:
+# convert/fused_experts.py)
+VL_MOE_HF_RULES = tuple(
+    Rule(r.pattern.replace(r"model\.", r"model\.(?:language_model\.)?", 1), r.target, r.transform) for r in HF_RULES
 ) + (Rule(r"(?:model\.)?visual\.(.+)", "vision.{0}"),)
 # Source tensors that carry no parameter (derived buffers some exporters save).
 HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
@@ -105,7 +110,8 @@ GEMMA3_GGUF_RULES = (
 GGUF_IGNORED: tuple[str, ...] = ()
 
 # Name maps of architectures whose tensors are named otherwise than LLaMA's.
-_HF_RULES_BY_TYPE = {"gemma3_text": GEMMA3_HF_RULES, "qwen2_vl": VL_HF_RULES, "qwen2_5_vl": VL_HF_RULES}
+_HF_RULES_BY_TYPE = {"gemma3_text": GEMMA3_HF_RULES, "qwen2_vl": VL_HF_RULES, "qwen2_5_vl": VL_HF_RULES, "qwen3_vl": VL_HF_RULES,
+                     "qwen3_vl_moe": VL_MOE_HF_RULES}
 _GGUF_RULES_BY_TYPE = {"gemma3_text": GEMMA3_GGUF_RULES}
 
 

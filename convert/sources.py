@@ -88,7 +88,7 @@ def no_images_message(model: str) -> str:
     """The one line for images given to ``model``, a model without a vision tower."""
     named = ", ".join(vision_sources())
     return (f"model {model} takes no images; models with a vision tower: {named} (named sources), or a Qwen2-VL / "
-            "Qwen2.5-VL checkpoint (HF directory or hub id)")
+            "Qwen2.5-VL / Qwen3-VL checkpoint (HF directory or hub id)")
 
 
 def refuse_images(source: str | Path) -> None:

@@ -18,8 +18,12 @@ from .hf_fields import FFN_ACTIVATIONS, LAYER_TYPES, ConfigError, RopeScaling  #
 from .moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf  # noqa: F401 (re-exported)
 from .vision_config import VisionConfig, vision_from_dict
 
-# vision-language models: a Qwen2 decoder (their `text_config`) behind a vision tower (models/vision.py)
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# vision-language models: a Qwen2 (Qwen2-VL, Qwen2.5-VL) or Qwen3 (Qwen3-VL) decoder, their
+# `text_config`, behind a vision tower (models/vision.py)
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# VLMs whose M-RoPE interleaves the three axes over the frequencies (models/mrope.py) and whose
+# tower feeds DeepStack features into the first decoder layers (models/deepstack.py)
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 # HF `architectures` / `model_type` values we accept, and the switches they imply.
 _ARCH_FLAGS = {
@@ -36,6 +40,10 @@ _ARCH_FLAGS = {
     # Qwen2-VL / Qwen2.5-VL: the language model is Qwen2's, with M-RoPE (models/mrope.py)
     "qwen2_vl": dict(qkv_bias=True, qk_norm=False),
     "qwen2_5_vl": dict(qkv_bias=True, qk_norm=False),
+    # Qwen3-VL: Qwen3's language model (q/k norms, no q/k/v bias), interleaved M-RoPE, DeepStack
+    "qwen3_vl": dict(qkv_bias=False, qk_norm=True),
+    # Qwen3-VL-MoE: the same, with Qwen3-MoE-style routed experts (models/moe.py)
+    "qwen3_vl_moe": dict(qkv_bias=False, qk_norm=True),
 }
 
 
@@ -107,6 +115,16 @@ class ModelConfig:
     def is_vision_language(self) -> bool:
         """Whether prompts may hold images (the model has a vision tower)."""
         return self.vision is not None
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        """Whether M-RoPE interleaves its axes over the frequencies (Qwen3-VL) or takes chunks."""
+        return self.model_type in QWEN3_VL_TYPES
+
+    @property
+    def deepstack_layers(self) -> int:
+        """How many first decoder layers get DeepStack features added after them (0: none)."""
+        return 0 if self.vision is None else len(self.vision.deepstack_visual_indexes)
 
     @property
     def q_dim(self) -> int:
@@ -259,6 +277,11 @@ class ModelConfig:
             )
         except KeyError as err:
             raise ConfigError(f"config.json lacks the required field {err.args[0]!r}") from None
+        if cfg.mrope_section is not None:
+            _check_mrope_section(cfg.mrope_section, cfg.head_dim, cfg.mrope_interleaved)
+        if cfg.deepstack_layers > cfg.num_hidden_layers:
+            raise ConfigError(f"vision_config has {cfg.deepstack_layers} deepstack_visual_indexes and the language model "
+                              f"{cfg.num_hidden_layers} layers: DeepStack adds one feature set after each of the first layers")
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
@@ -279,7 +302,7 @@ class ModelConfig:
 
 
 def vision_language_fields(raw: Mapping[str, Any], model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Qwen2-VL / Qwen2.5-VL ``config.json`` (HF's, the language model's fields under
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) ``config.json`` (HF's, the language model's fields under
     ``text_config``; or popjax's own, flat) -> (the decoder's fields, flat, for `from_hf_dict`;
     the `ModelConfig` fields of its vision side)."""
     text = {**raw, **(raw.get("text_config") or {}), "model_type": model_type}
@@ -298,9 +321,19 @@ def vision_language_fields(raw: Mapping[str, Any], model_type: str) -> tuple[dic
     for key in ("image_token_id", "vision_start_token_id"):
         if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
             raise ConfigError(f"a {model_type} config needs an integer {key}, got {raw.get(key)!r}")
-    fields = dict(vision=vision_from_dict(raw["vision_config"], model_type), mrope_section=hf.as_tuple(section),
+    tower = "qwen3_vl" if model_type in QWEN3_VL_TYPES else model_type  # the MoE variant has the dense one's tower
+    fields = dict(vision=vision_from_dict(raw["vision_config"], tower), mrope_section=hf.as_tuple(section),
                   image_token_id=raw["image_token_id"], vision_start_token_id=raw["vision_start_token_id"])
     return text, fields
+
+
+def _check_mrope_section(section: tuple[int, ...], head_dim: int, interleaved: bool) -> None:
+    """HF does not check ``mrope_section``: a wrong one silently rotates by the wrong axes."""
+    if not section or any(v < 1 for v in section) or sum(section) != head_dim // 2 or head_dim % 2:
+        raise ConfigError(f"mrope_section={list(section)} is invalid: its values must be positive and sum to "
+                          f"head_dim/2 = {head_dim / 2:g} (M-RoPE's split of the rotary frequencies over its position axes)")
+    if interleaved and len(section) != 3:
+        raise ConfigError(f"mrope_section={list(section)} is invalid: interleaved M-RoPE needs 3 values (temporal, height, width)")
 
 
 # fields added with Gemma 3 and the VL models, written by `to_hf_dict` only when they differ from their defaults

@@ -21,6 +21,7 @@ from flax import nnx
 from ..kernels.attention import cache_reader, cached_attention, ring_from_prompt, ring_slots, ring_write
 from .config import ModelConfig
 from .interface import CacheView, FFNFn, FFNHook, LayerControl, ModelInputs, ModelOutput
+from .deepstack import add_deepstack
 from .layers import Attention, KVCache, MLPWeights, RMSNorm, TokenEmbeddings
 from .moe import MoEWeights, moe_mlp
 from ..kernels.int8 import dot
@@ -160,7 +161,8 @@ class Transformer(nnx.Module, TokenEmbeddings):
         values, with its own rows or the control's ``kv_weights``) or "none"; its
         ``prefix_masked`` layers ignore cache slots before ``prefix_end``; its ``gates`` scale
         both residual branches of each layer. ``inputs.placed`` (optional) puts embeddings at
-        some token slots (a VLM's image features); positions may then be M-RoPE's [3, B, T]."""
+        some token slots (a VLM's image features, and Qwen3-VL's DeepStack features, added after
+        the first layers: models/deepstack.py); positions may then be M-RoPE's [3, B, T]."""
         control = LayerControl() if layers is None else layers
         x = self.embed_inputs(inputs.tokens, inputs.placed)
         rope = layer_rope(self.cfg, inputs.positions)
@@ -174,6 +176,7 @@ class Transformer(nnx.Module, TokenEmbeddings):
                 new_caches.append(_bypass_cache(layer, x, cos, sin, mode, override, window))
                 new_states.append(None)
                 auxes.append({})
+                x = add_deepstack(x, inputs.placed, i)  # a skipped layer's slot still gets its features
                 continue
             key_valid = cache.key_valid
             if i in control.prefix_masked:
@@ -184,6 +187,7 @@ class Transformer(nnx.Module, TokenEmbeddings):
                 x, cos, sin, key_valid, attend, ffn.at(i), None if ffn.states is None else ffn.states[i], ffn.valid, i,
                 gate=None if control.gates is None else control.gates[i],
             )
+            x = add_deepstack(x, inputs.placed, i)  # a VLM's DeepStack features after its first layers
             new_caches.append(kv)  # prefill: the fresh entries; decode: the layer's cache, written
             new_states.append(state)
             auxes.append(aux)

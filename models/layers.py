@@ -74,10 +74,13 @@ class LinearWeights:
 class PlacedEmbeddings(NamedTuple):
     """Embeddings that replace some prompt tokens' own (a VLM's image features at its image
     placeholders): ``features`` [N, d] in the compute dtype, ``slots`` [B, T] int32, the row of
-    ``features`` each token takes, −1 for a token that keeps its embedding."""
+    ``features`` each token takes, −1 for a token that keeps its embedding. ``deepstack``
+    (Qwen3-VL, else None) [n_deep, N, d]: set j is added at the same slots after decoder layer j
+    (models/deepstack.py)."""
 
     features: jax.Array
     slots: jax.Array
+    deepstack: jax.Array | None = None
 
 
 class TokenEmbeddings(LinearWeights):

@@ -1,4 +1,5 @@
-"""The mixture-of-experts part of a model's configuration (Qwen2-MoE, Qwen3-MoE, Mixtral):
+"""The mixture-of-experts part of a model's configuration (Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's
+language model, Mixtral):
 `MoEConfig`, and `moe_from_hf`, which reads it from a HF ``config.json``. The MoE layers
 themselves are in models/moe.py."""
 
@@ -12,7 +13,10 @@ import numpy as np
 
 from .hf_fields import ConfigError
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "qwen3_vl_moe")
+# families whose router always renormalises its top-k probabilities (their configs carry no
+# norm_topk_prob: transformers' Qwen3VLMoeTextTopKRouter divides by their sum unconditionally)
+_ALWAYS_RENORMALISED = ("mixtral", "qwen3_vl_moe")
 EXPERT_ACTIVATIONS = ("silu",)  # gated SiLU experts, the only kind pruning is defined for
 # HF router fields some MoE families carry; anything but these values changes the routing.
 ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",)}
@@ -116,6 +120,6 @@ def moe_from_hf(raw: Mapping[str, Any], model_type: str, n_layers: int) -> MoECo
         dense_size=dense,
         shared_size=shared,
         shared_gate=shared > 0,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=model_type in _ALWAYS_RENORMALISED or bool(raw.get("norm_topk_prob", False)),
         sparse_layers=sparse,
     )

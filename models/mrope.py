@@ -11,8 +11,11 @@ time steps); ``mrope_cos_sin`` turns them into the cos/sin that ``rope.apply_rop
 
 The rotary frequencies are split into consecutive chunks by ``mrope_section`` (e.g. [16, 24, 24]
 of h/2 = 64 for Qwen2-VL-7B): chunk i rotates by the position of axis ``i % 3``. This is HF's
-chunked layout (``Qwen2VLRotaryEmbedding.recomposition_frequencies``), not Qwen3-VL's interleaved
-one. The angles are then repeated twice: the half-split convention of ``rope.rope_cos_sin``.
+chunked layout (``Qwen2VLRotaryEmbedding.recomposition_frequencies``). Qwen3-VL interleaves them
+instead (``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``, ``mrope_section`` [24, 20, 20]):
+frequency k is height's when k ≡ 1 (mod 3) and k < 3·s[1], width's when k ≡ 2 (mod 3) and
+k < 3·s[2], and temporal's otherwise (`frequency_axes`). The angles are then repeated twice: the
+half-split convention of ``rope.rope_cos_sin``.
 
 After the prompt all three axes are equal, so decoding needs only 1-D rope at the text position
 shifted by a per-row ``delta`` (``decode_positions``).
@@ -148,30 +151,47 @@ def _check_sections(mrope_section: Sequence[int], half: int) -> np.ndarray:
     sections = np.asarray(list(mrope_section), np.int64)
     if sections.ndim != 1 or sections.size == 0 or (sections < 1).any() or int(sections.sum()) != half:
         raise ConfigError(
-            f"mrope_section={list(mrope_section)} must be positive integers summing to head_dim/2 = {half}"
+            f"mrope_section={list(mrope_section)} is invalid: its values must be positive integers summing to head_dim/2 = {half}"
         )
     return sections
 
 
+def frequency_axes(mrope_section: Sequence[int], half: int, interleaved: bool = False) -> np.ndarray:
+    """[half] int: the position axis (0 temporal, 1 height, 2 width) each rotary frequency turns
+    by. Chunked (Qwen2-VL): chunk i of ``mrope_section`` takes axis ``i % 3``. Interleaved
+    (Qwen3-VL): frequencies ``1, 4, 7, …`` below 3·s[1] take height, ``2, 5, 8, …`` below 3·s[2]
+    width, the rest temporal (HF's slices ``offset:3·s:3``, which stop at ``half``).
+    ``mrope_section`` must be positive and sum to ``half`` (= head_dim / 2), else a ConfigError."""
+    sections = _check_sections(mrope_section, half)
+    if not interleaved:
+        return np.repeat(np.arange(sections.size) % 3, sections)
+    if sections.size != 3:
+        raise ConfigError(f"mrope_section={list(mrope_section)} must have 3 entries (temporal, height, width) for interleaved M-RoPE")
+    axes = np.zeros(half, np.int64)
+    for axis in (1, 2):
+        axes[axis: 3 * int(sections[axis]): 3] = axis
+    return axes
+
+
 def mrope_cos_sin(
-    inv_freq: jax.Array | np.ndarray, positions: jax.Array, mrope_section: Sequence[int]
+    inv_freq: jax.Array | np.ndarray, positions: jax.Array, mrope_section: Sequence[int], interleaved: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """inv_freq [h/2] (e.g. ``rope.inverse_frequencies(cfg)``); positions [3, B, T] int
     (``rope_index``) -> cos, sin [B, T, h] fp32 for ``rope.apply_rope``.
 
-    Frequency k rotates by the position of axis ``i % 3``, i its chunk of ``mrope_section``
-    (which sums to h/2), equal to HF's cos/sin after ``recomposition_frequencies``. With the
-    three axes equal this is ``rope.rope_cos_sin`` at that position.
+    Frequency k rotates by the position of axis `frequency_axes` ``[k]`` (``interleaved``:
+    Qwen3-VL's layout, else Qwen2-VL's chunks), equal to HF's cos/sin after
+    ``recomposition_frequencies``. With the three axes equal this is ``rope.rope_cos_sin`` at
+    that position.
     """
     inv = jnp.asarray(inv_freq, jnp.float32)
     if inv.ndim != 1:
         raise PositionError(f"inv_freq must be [h/2], got shape {inv.shape}")
-    sections = _check_sections(mrope_section, inv.shape[0])
+    axis_of = frequency_axes(mrope_section, inv.shape[0], interleaved)
     positions = jnp.asarray(positions)
     if positions.ndim != 3 or positions.shape[0] != 3:
         raise PositionError(f"positions must be [3, B, T] (temporal, height, width), got shape {positions.shape}")
     # static [h/2] axis per frequency: a gather on the host-known layout, traced positions only
-    axis_of = np.repeat(np.arange(sections.size) % 3, sections)
     per_freq = jnp.moveaxis(positions, 0, -1)[..., axis_of].astype(jnp.float32)  # [B, T, h/2]
     # an elementwise product (no sum), as HF's `position.float() * inv_freq`: exact in fp32;
     # selecting the axis before cos/sin equals HF's selecting after

@@ -107,7 +107,7 @@ def layer_rope(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[jax.Ar
     if positions.ndim == 3:
         if cfg.mrope_section is None:
             raise ConfigError(f"positions of shape {positions.shape} are M-RoPE's, and {cfg.model_type} has no mrope_section")
-        return {"full_attention": mrope_cos_sin(inverse_frequencies(cfg), positions, cfg.mrope_section)}
+        return {"full_attention": mrope_cos_sin(inverse_frequencies(cfg), positions, cfg.mrope_section, cfg.mrope_interleaved)}
     kinds = sorted({cfg.layer_type(i) for i in range(cfg.num_hidden_layers)})
     return {kind: rope_cos_sin(cfg, positions, kind) for kind in kinds}
 

@@ -48,6 +48,7 @@ from ..kernels import held_rows
 from ..kernels.attention import NO_WINDOW, ring_from_prompt, ring_slots, ring_write
 from .config import ModelConfig
 from .decoder import DecoderLayer, Transformer, cache_attention
+from .deepstack import add_deepstack
 from .interface import CacheView, FFNHook, LayerControl, ModelInputs, ModelOutput
 from .layers import KVCache, RMSNorm, TokenEmbeddings
 from .rope import check_rope_type, layer_rope
@@ -244,6 +245,7 @@ class ScannedTransformer(nnx.Module, TokenEmbeddings):
             window = None if kind is None else kind.window
             given = state if held is None else held_rows.layer_state(held, state, index)
             x, fresh, state, aux = layer(x, cos, sin, cache.key_valid, attend, fn, given, ffn.valid, index, window=window)
+            x = add_deepstack(x, inputs.placed, index)  # a VLM's DeepStack features after its first layers
             return x, (fresh, state if held is None else held_rows.release(held, state, given), aux)
 
         x, (fresh, states, aux) = jax.lax.scan(layer_step, x, xs)

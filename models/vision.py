@@ -1,4 +1,5 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower: host-side patch layout (NumPy) and the encoder (JAX).
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers' encoder (JAX); the host-side patch layout
+is models/vision_layout.py.
 
 A batch of images (or video clips) arrives as HF's processor writes it: ``pixel_values``
 [n_patches, C·t·p·p] (one row per patch, every image's patches in merge-window order) and
@@ -16,6 +17,13 @@ bucket reuse one compiled program:
    window permutation), image after image (``layout.tokens_per_image`` each); padding rows are
    garbage that callers must ignore.
 
+Qwen3-VL's tower (``VisionConfig.is_qwen3``) differs in four places, each read in transformers'
+``modeling_qwen3_vl``: a bias on the patch embedding; a learned position table resampled
+bilinearly to each image's grid (`vision_layout.position_taps`) and added before the blocks;
+LayerNorms with biases and an ungated gelu-tanh MLP in the blocks (Qwen2-VL's block body, so
+`_block` runs it); and **DeepStack**: the outputs of blocks ``deepstack_visual_indexes`` each go
+through their own merger, whose norm acts on the merged [4·E] rows (`encode_images_deepstack`).
+
 Attention is dense over the bucket under a mask (same frame; in Qwen2.5-VL's window blocks also
 the same window; padding rows see only themselves, so no row is fully masked and nothing is NaN),
 so a block holds [heads, bucket, bucket] fp32 scores: choose buckets with that in mind.
@@ -24,9 +32,8 @@ All compute is fp32 with HIGHEST-precision dots (HF parity within 1e-4).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,150 +48,14 @@ from .vision_config import (  # re-exported: __all__
     vision_params_from_hf,
     vision_tensor_names,
 )
+from .vision_layout import VisionArrays, VisionLayout, _grid, pad_patches, patch_bucket, vision_layout  # re-exported: __all__
 
 __all__ = [
-    "ARCHITECTURES", "VISION_ACTIVATIONS", "VisionArrays", "VisionConfig", "VisionLayout", "encode_images",
+    "ARCHITECTURES", "VISION_ACTIVATIONS", "VisionArrays", "VisionConfig", "VisionLayout", "encode_images", "encode_images_deepstack",
     "image_features", "pad_patches", "patch_bucket", "vision_layout", "vision_params_from_hf", "vision_tensor_names",
 ]
 
 HIGHEST = jax.lax.Precision.HIGHEST
-MIN_BUCKET = 64
-
-
-class VisionArrays(NamedTuple):
-    """The traced per-patch inputs of `encode_images` (int32; bucket = padded patch count).
-
-    order     [bucket]          processing slot i holds input patch ``order[i]`` (HF's order for
-                                Qwen2-VL; the window permutation for Qwen2.5-VL; padding: i)
-    positions [bucket, 2]       rotary (row, column) of the patch in slot i (padding: 0)
-    segment   [bucket]          frame id of slot i (one per image and temporal frame; padding: -1)
-    window    [bucket]          window id of slot i (Qwen2-VL: the frame id; padding: -1)
-    unorder   [bucket // m²]    output row j is merged slot ``unorder[j]`` (undoes ``order``)
-    """
-
-    order: Any
-    positions: Any
-    segment: Any
-    window: Any
-    unorder: Any
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class VisionLayout:
-    """`vision_layout`'s result: the traced `arrays` and the host-side sizes around them."""
-
-    grid_thw: np.ndarray  # [n_images, 3] int64
-    bucket: int
-    n_patches: int  # real patch rows: sum(t·h·w)
-    n_tokens: int  # real feature rows: n_patches // merge²
-    tokens_per_image: tuple[int, ...]  # t·h·w // merge² for each image (HF's get_image_features split)
-    arrays: VisionArrays
-
-
-def patch_bucket(n_patches: int, unit: int = 4, minimum: int = MIN_BUCKET) -> int:
-    """The bucket for ``n_patches`` patches: the next power of two ≥ max(n_patches, minimum),
-    rounded up to a multiple of ``unit`` (merge²)."""
-    if n_patches < 1:
-        raise ConfigError(f"n_patches={n_patches} is invalid: an image has at least one patch")
-    size = 1 << (max(int(n_patches), minimum) - 1).bit_length()
-    return -(-size // unit) * unit
-
-
-def _grid(grid_thw: Any, cfg: VisionConfig) -> np.ndarray:
-    grid = np.asarray(grid_thw)
-    if grid.ndim != 2 or grid.shape[0] < 1 or grid.shape[1] != 3 or not np.issubdtype(grid.dtype, np.integer):
-        raise ConfigError(f"grid_thw must be an integer array [n_images, 3] (t, h, w), got shape {grid.shape} {grid.dtype}")
-    grid = grid.astype(np.int64)
-    m = cfg.spatial_merge_size
-    bad = [tuple(int(v) for v in row) for row in grid if row.min() < 1 or row[1] % m or row[2] % m]
-    if bad:
-        raise ConfigError(f"grid_thw rows {bad} are invalid: t, h, w must be ≥ 1 and h, w multiples of spatial_merge_size={m}")
-    return grid
-
-
-def _merge_order(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row and column of each patch of an h×w frame in HF's merge-window order."""
-    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    block = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
-    return block(rows), block(cols)
-
-
-def _window_index(t: int, lh: int, lw: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """HF's ``get_vision_window_index`` for one image of t frames of lh×lw merged tokens: the
-    merged-token permutation (windows of size×size tokens, frame by frame, each window
-    row-major) and the window id of each permuted token (0-based, windows never empty)."""
-    nh, nw = -(-lh // size), -(-lw // size)
-    padded = np.full((t, nh * size, nw * size), -1, dtype=np.int64)
-    padded[:, :lh, :lw] = np.arange(t * lh * lw).reshape(t, lh, lw)
-    windows = padded.reshape(t, nh, size, nw, size).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, size * size)
-    ids = np.broadcast_to(np.arange(t * nh * nw)[:, None], windows.shape)
-    keep = windows >= 0
-    return windows[keep], ids[keep]
-
-
-def vision_layout(grid_thw: Any, cfg: VisionConfig, bucket: int) -> VisionLayout:
-    """The per-patch arrays for images of ``grid_thw`` [n_images, 3], padded to ``bucket``
-    patches (a multiple of merge², ≥ the total patch count; else a `ConfigError`)."""
-    grid = _grid(grid_thw, cfg)
-    m, unit = cfg.spatial_merge_size, cfg.merge_unit
-    n_patches = int(np.prod(grid, axis=1).sum())
-    if bucket % unit or bucket < n_patches:
-        raise ConfigError(
-            f"bucket={bucket} cannot hold these images: it must be a multiple of merge²={unit} and ≥ their "
-            f"{n_patches} patches (patch_bucket gives one)"
-        )
-    positions, segment, merged_order, merged_window = [], [], [], []
-    frames = tokens = windows = 0
-    for t, h, w in grid.tolist():
-        rows, cols = _merge_order(h, w, m)
-        positions.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
-        segment.append(np.repeat(np.arange(frames, frames + t), h * w))
-        frames += t
-        n_merged = t * (h // m) * (w // m)
-        if cfg.windowed:
-            index, ids = _window_index(t, h // m, w // m, cfg.window_tokens)
-            merged_order.append(index + tokens)
-            merged_window.append(ids + windows)
-            windows += int(ids.max()) + 1
-        tokens += n_merged
-    positions, segment = np.concatenate(positions), np.concatenate(segment)
-    if cfg.windowed:
-        merged = np.concatenate(merged_order)
-        order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
-        window = np.repeat(np.concatenate(merged_window), unit)
-        positions, segment = positions[order], segment[order]
-        unorder = np.argsort(merged, kind="stable")
-    else:
-        order, window, unorder = np.arange(n_patches), segment, np.arange(tokens)
-    pad = bucket - n_patches
-
-    def padded(a: np.ndarray, fill: Any, length: int) -> np.ndarray:
-        tail = np.arange(len(a), length) if fill is None else np.full((length - len(a), *a.shape[1:]), fill)
-        return np.concatenate([a, tail]).astype(np.int32)
-
-    arrays = VisionArrays(
-        order=padded(order, None, bucket),
-        positions=np.concatenate([positions, np.zeros((pad, 2), np.int64)]).astype(np.int32),
-        segment=padded(segment, -1, bucket),
-        window=padded(window, -1, bucket),
-        unorder=padded(unorder, None, bucket // unit),
-    )
-    per_image = tuple(int(t * h * w) // unit for t, h, w in grid.tolist())
-    return VisionLayout(grid, bucket, n_patches, n_patches // unit, per_image, arrays)
-
-
-def pad_patches(pixel_values: Any, cfg: VisionConfig, bucket: int) -> np.ndarray:
-    """pixel_values [n_patches, patch_dim] -> [bucket, patch_dim] float32, zero rows appended."""
-    pixels = np.asarray(pixel_values, dtype=np.float32)
-    if pixels.ndim != 2 or pixels.shape[1] != cfg.patch_dim or pixels.shape[0] > bucket:
-        raise ConfigError(
-            f"pixel_values of shape {pixels.shape} do not fit: expected [n ≤ bucket={bucket}, "
-            f"C·t·p·p={cfg.patch_dim}] rows"
-        )
-    return np.concatenate([pixels, np.zeros((bucket - len(pixels), cfg.patch_dim), np.float32)])
-
-
-# ---------------------------------------------------------------------------------------- JAX
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -257,19 +128,48 @@ def _block(cfg: VisionConfig, x: jax.Array, p: dict, cos: jax.Array, sin: jax.Ar
     return x + mlp
 
 
-def encode_images(params: dict, cfg: VisionConfig, pixel_values: jax.Array, arrays: VisionArrays) -> jax.Array:
-    """pixel_values [bucket, patch_dim] (HF's rows, zero-padded: `pad_patches`) and the layout's
-    `VisionArrays` -> features [bucket // merge², out_hidden_size] fp32.
+def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + NORM_EPS) * weight + bias
 
-    Rows ``[:layout.n_tokens]`` are the images' features in HF's order (what HF's tower returns
-    as ``pooler_output``); the rest are padding, to be ignored. Jit with ``cfg`` static:
-    ``jax.jit(encode_images, static_argnums=1)``; images of any size in one bucket share a compile."""
+
+def _merge(cfg: VisionConfig, x: jax.Array, m: dict, postshuffle: bool = False) -> jax.Array:
+    """x [bucket, E] -> [bucket // merge², out_hidden_size]: norm, the merge² patches of each
+    token side by side, linear, GELU (erf), linear. ``postshuffle`` (Qwen3-VL's DeepStack
+    mergers): the LayerNorm acts on the merged [merge²·E] rows instead of each patch's [E]."""
+    rows = x.shape[0] // cfg.merge_unit
+    if postshuffle:
+        h = _layer_norm(x.reshape(rows, cfg.merger_dim), m["ln_q_w"], m["ln_q_b"])
+    else:
+        h = _norm(cfg, x, m["ln_q_w"], m.get("ln_q_b")).reshape(rows, cfg.merger_dim)
+    return _linear(jax.nn.gelu(_linear(h, m["mlp0_w"], m["mlp0_b"]), approximate=False), m["mlp2_w"], m["mlp2_b"])
+
+
+def _check_inputs(cfg: VisionConfig, pixel_values: jax.Array, arrays: VisionArrays) -> None:
     bucket, unit = pixel_values.shape[0], cfg.merge_unit
     if pixel_values.ndim != 2 or pixel_values.shape[1] != cfg.patch_dim or bucket % unit:
         raise ConfigError(f"pixel_values shape {pixel_values.shape} is invalid: expected [bucket (a multiple of {unit}), {cfg.patch_dim}]")
     if arrays.order.shape != (bucket,) or arrays.unorder.shape != (bucket // unit,):
         raise ConfigError(f"the layout arrays are for bucket={arrays.order.shape[0]}, pixel_values for {bucket}")
-    x = _linear(pixel_values.astype(jnp.float32), params["patch_embed"])
+    if cfg.is_qwen3 and (arrays.pos_index is None or arrays.pos_index.shape != (bucket, 4)):
+        raise ConfigError("a Qwen3-VL tower needs the layout's position taps (vision_layout with its config)")
+
+
+def encode_images_deepstack(params: dict, cfg: VisionConfig, pixel_values: jax.Array,
+                            arrays: VisionArrays) -> tuple[jax.Array, jax.Array | None]:
+    """pixel_values [bucket, patch_dim] (HF's rows, zero-padded: `pad_patches`) and the layout's
+    `VisionArrays` -> (features [bucket // merge², out_hidden_size] fp32, DeepStack features
+    [n_deep, bucket // merge², out_hidden_size] fp32, or None for a tower without DeepStack).
+
+    Rows ``[:layout.n_tokens]`` are the images' features in HF's order (what HF's tower returns
+    as ``pooler_output``; DeepStack's ``deepstack_features``, entry j the j-th of the DeepStack
+    blocks in depth order, as HF collects them); the rest are padding, to be ignored. Jit with
+    ``cfg`` static; images of any size in one bucket share a compile."""
+    _check_inputs(cfg, pixel_values, arrays)
+    x = _linear(pixel_values.astype(jnp.float32), params["patch_embed"], params.get("patch_bias"))
+    if cfg.is_qwen3:  # each patch: its four table rows, weighted (an exact gather, one fp32 sum)
+        rows = jnp.take(params["pos_embed"].astype(jnp.float32), arrays.pos_index, axis=0)  # [bucket, 4, E]
+        x = x + jnp.einsum("nk,nke->ne", arrays.pos_weight, rows, precision=HIGHEST)
     x = jnp.take(x, arrays.order, axis=0)
     cos, sin = _rotary(cfg, arrays.positions)
     frame_mask = _mask(arrays.segment)
@@ -281,25 +181,44 @@ def encode_images(params: dict, cfg: VisionConfig, pixel_values: jax.Array, arra
         mask = jnp.where(is_full, frame_mask, window_mask) if cfg.windowed else frame_mask
         return _block(cfg, x, p, cos, sin, mask), None
 
-    x, _ = jax.lax.scan(step, x, (params["blocks"], full))
-    m = params["merger"]
-    h = _norm(cfg, x, m["ln_q_w"], m.get("ln_q_b")).reshape(bucket // unit, cfg.merger_dim)
-    h = _linear(jax.nn.gelu(_linear(h, m["mlp0_w"], m["mlp0_b"]), approximate=False), m["mlp2_w"], m["mlp2_b"])
-    return jnp.take(h, arrays.unorder, axis=0)
+    # the blocks run as scans over runs of blocks that end at a DeepStack block (static cuts),
+    # so no block's output is kept but those DeepStack reads
+    deep = sorted(cfg.deepstack_visual_indexes)
+    features, start = [], 0
+    for end in sorted({b + 1 for b in deep} | {cfg.depth}):
+        part = jax.tree_util.tree_map(lambda a: a[start:end], (params["blocks"], full))  # noqa: B023
+        x, _ = jax.lax.scan(step, x, part)
+        if end - 1 in deep:
+            j = cfg.deepstack_visual_indexes.index(end - 1)  # the merger HF pairs with this block
+            merger = jax.tree_util.tree_map(lambda a: a[j], params["deepstack"])  # noqa: B023
+            features.append(jnp.take(_merge(cfg, x, merger, postshuffle=True), arrays.unorder, axis=0))
+        start = end
+    out = jnp.take(_merge(cfg, x, params["merger"]), arrays.unorder, axis=0)
+    return out, (jnp.stack(features) if features else None)
 
 
-_encode_jit = jax.jit(encode_images, static_argnums=1)
+def encode_images(params: dict, cfg: VisionConfig, pixel_values: jax.Array, arrays: VisionArrays) -> jax.Array:
+    """`encode_images_deepstack`'s main features alone: [bucket // merge², out_hidden_size] fp32."""
+    return encode_images_deepstack(params, cfg, pixel_values, arrays)[0]
 
 
-def image_features(params: dict, cfg: VisionConfig, pixel_values: Any, grid_thw: Any, bucket: int | None = None) -> np.ndarray:
+_encode_jit = jax.jit(encode_images_deepstack, static_argnums=1)
+
+
+def image_features(params: dict, cfg: VisionConfig, pixel_values: Any, grid_thw: Any, bucket: int | None = None,
+                   deepstack: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray | None]:
     """Host convenience: HF-style pixel_values [n_patches, patch_dim] and grid_thw [n_images, 3]
     -> the real features [n_tokens, out_hidden_size] (NumPy), in HF's order, through one jitted
-    `encode_images` (``bucket`` defaults to `patch_bucket`)."""
+    `encode_images_deepstack` (``bucket`` defaults to `patch_bucket`). ``deepstack``: also the
+    DeepStack features [n_deep, n_tokens, out_hidden_size] (None without DeepStack)."""
     grid = _grid(grid_thw, cfg)
     n_patches = int(np.prod(grid, axis=1).sum())
     if np.shape(pixel_values)[0] != n_patches:
         raise ConfigError(f"pixel_values has {np.shape(pixel_values)[0]} rows but grid_thw describes {n_patches} patches")
     bucket = patch_bucket(n_patches, cfg.merge_unit) if bucket is None else bucket
     layout = vision_layout(grid, cfg, bucket)
-    out = _encode_jit(params, cfg, pad_patches(pixel_values, cfg, bucket), layout.arrays)
-    return np.asarray(out[: layout.n_tokens])
+    out, deep = _encode_jit(params, cfg, pad_patches(pixel_values, cfg, bucket), layout.arrays)
+    out = np.asarray(out[: layout.n_tokens])
+    if not deepstack:
+        return out
+    return out, None if deep is None else np.asarray(deep[:, : layout.n_tokens])

@@ -1,17 +1,21 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower's configuration and weights, read from HF.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers' configuration and weights, read from HF.
 
-`VisionConfig` is one frozen, hashable dataclass for both towers (a static argument of the
+`VisionConfig` is one frozen, hashable dataclass for the three towers (a static argument of the
 jitted `vision.encode_images`); `VisionConfig.from_hf` reads the ``vision_config`` block of a HF
 ``config.json`` (or ``Qwen2VLVisionConfig.to_dict()`` / ``Qwen2_5_VLVisionConfig.to_dict()``).
 The two HF configs name the widths differently:
 
-=================  ==========================  ==============================
-VisionConfig       Qwen2-VL ``vision_config``  Qwen2.5-VL ``vision_config``
-=================  ==========================  ==============================
+=================  ==========================  ====================================
+VisionConfig       Qwen2-VL ``vision_config``  Qwen2.5-VL / Qwen3-VL ``vision_config``
+=================  ==========================  ====================================
 embed_dim (tower)  ``embed_dim``               ``hidden_size``
 mlp_dim            ``embed_dim * mlp_ratio``   ``intermediate_size``
 out_hidden_size    ``hidden_size`` (LM width)  ``out_hidden_size``
-=================  ==========================  ==============================
+=================  ==========================  ====================================
+
+Qwen3-VL's tower (models/vision.py) adds a learned position table of
+``num_position_embeddings`` (a square) rows and DeepStack: the blocks ``deepstack_visual_indexes``
+each feed their own merger, whose features go into the language model's first layers.
 
 `vision_params_from_hf` turns the tower's tensors of a HF state dict into the params pytree
 `vision.encode_images` reads. Weights keep the HF/PyTorch ``[out, in]`` layout (models/layers.py);
@@ -30,20 +34,21 @@ import numpy as np
 
 from .hf_fields import ConfigError  # (models/config.py imports this module: not from there)
 
-ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
+ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # HF ``hidden_act`` names the tower's MLP may use (ACT2FN semantics); the merger always uses erf GELU
 VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
 _ACTIVATION_ALIASES = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh"}
 # vision_config ``model_type`` values -> the architecture they belong to (old Qwen2-VL saves say "qwen2_vl")
-_MODEL_TYPES = {"qwen2_vl_vision": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl", "qwen2_5_vl": "qwen2_5_vl"}
-NORM_EPS = 1e-6  # both towers hard-code eps=1e-6 (LayerNorm in Qwen2-VL, RMSNorm in Qwen2.5-VL)
+_MODEL_TYPES = {"qwen2_vl_vision": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl", "qwen2_5_vl": "qwen2_5_vl",
+                "qwen3_vl_vision": "qwen3_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe_vision": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+NORM_EPS = 1e-6  # every tower hard-codes eps=1e-6 (LayerNorm in Qwen2-VL and Qwen3-VL, RMSNorm in Qwen2.5-VL)
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """Vision tower hyper-parameters. E = embed_dim, F = mlp_dim, O = out_hidden_size."""
 
-    architecture: str  # "qwen2_vl" (LayerNorm, fc1/fc2 MLP) or "qwen2_5_vl" (RMSNorm, gated MLP, windows)
+    architecture: str  # "qwen2_vl" (LayerNorm, fc1/fc2 MLP), "qwen2_5_vl" (RMSNorm, gated MLP, windows) or "qwen3_vl"
     depth: int
     embed_dim: int
     num_heads: int
@@ -57,6 +62,10 @@ class VisionConfig:
     rope_theta: float = 10000.0
     window_size: int = 0  # Qwen2.5-VL: window side in pixels; 0 = no window attention (Qwen2-VL)
     fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: blocks with full (per-frame) attention
+    # Qwen3-VL: rows of the learned position table (a square side²) and the blocks whose outputs
+    # DeepStack merges into the language model (models/vision.py); 0 and () elsewhere
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +94,16 @@ class VisionConfig:
         """Window side in merged tokens (HF's ``vit_merger_window_size``)."""
         return self.window_size // self.spatial_merge_size // self.patch_size
 
+    @property
+    def is_qwen3(self) -> bool:
+        """Qwen3-VL's tower: biased patch embedding, learned positions, DeepStack mergers."""
+        return self.architecture == "qwen3_vl"
+
+    @property
+    def position_side(self) -> int:
+        """Side of Qwen3-VL's square learned position table (0 without one)."""
+        return int(round(self.num_position_embeddings**0.5))
+
     def full_attention(self, block: int) -> bool:
         """Whether block ``block`` attends over its whole frame (else within its window)."""
         return not self.windowed or block in self.fullatt_block_indexes
@@ -102,13 +121,13 @@ class VisionConfig:
         declared = _MODEL_TYPES.get(raw.get("model_type"))
         if declared is not None and declared != architecture:
             raise ConfigError(f"vision_config model_type={raw['model_type']!r} is a {declared} tower, not {architecture}")
-        two_five = architecture == "qwen2_5_vl"
-        width_key, out_key = ("hidden_size", "out_hidden_size") if two_five else ("embed_dim", "hidden_size")
+        two_five, three = architecture == "qwen2_5_vl", architecture == "qwen3_vl"
+        width_key, out_key = ("hidden_size", "out_hidden_size") if two_five or three else ("embed_dim", "hidden_size")
         depth = _positive_int(raw, "depth")
         embed_dim = _positive_int(raw, width_key)
         num_heads = _positive_int(raw, "num_heads")
         out_hidden_size = _positive_int(raw, out_key)
-        if two_five:
+        if two_five or three:
             mlp_dim = _positive_int(raw, "intermediate_size")
         else:
             ratio = raw.get("mlp_ratio", 4)
@@ -120,7 +139,7 @@ class VisionConfig:
                 f"vision_config {width_key}={embed_dim} with num_heads={num_heads} is invalid: the head size "
                 "must be a whole multiple of 4 (the 2-D rotary splits it into h and w halves of cos/sin pairs)"
             )
-        act = raw.get("hidden_act", "silu" if two_five else "quick_gelu")
+        act = raw.get("hidden_act", "silu" if two_five else "gelu_pytorch_tanh" if three else "quick_gelu")
         act = _ACTIVATION_ALIASES.get(act, act)
         if act not in VISION_ACTIVATIONS:
             raise ConfigError(f"vision_config hidden_act={act!r} is not supported; supported: {list(VISION_ACTIVATIONS)}")
@@ -137,7 +156,7 @@ class VisionConfig:
             architecture=architecture, depth=depth, embed_dim=embed_dim, num_heads=num_heads, mlp_dim=mlp_dim,
             out_hidden_size=out_hidden_size, hidden_act=act, rope_theta=float(theta),
             in_channels=_positive_int(raw, channels_key, 3),
-            patch_size=_positive_int(raw, "patch_size", 14),
+            patch_size=_positive_int(raw, "patch_size", 16 if three else 14),
             temporal_patch_size=_positive_int(raw, "temporal_patch_size", 2),
             spatial_merge_size=_positive_int(raw, "spatial_merge_size", 2),
         )
@@ -154,6 +173,8 @@ class VisionConfig:
                 raise ConfigError(f"vision_config fullatt_block_indexes={full!r} is invalid: give a list of block indexes ≥ 0")
             # indexes ≥ depth are kept, as HF does: they never match a block (tiny test configs have them)
             fields.update(window_size=window, fullatt_block_indexes=tuple(sorted(set(full))))
+        if three:
+            fields.update(_qwen3_fields(raw, depth))
         return cls(**fields)
 
 
@@ -165,15 +186,35 @@ class VisionConfig:
             temporal_patch_size=self.temporal_patch_size, spatial_merge_size=self.spatial_merge_size,
             rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta},
         )
+        if self.windowed or self.is_qwen3:
+            out.update(hidden_size=self.embed_dim, intermediate_size=self.mlp_dim, out_hidden_size=self.out_hidden_size)
         if self.windowed:
-            out.update(hidden_size=self.embed_dim, intermediate_size=self.mlp_dim, out_hidden_size=self.out_hidden_size,
-                       window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
+            out.update(window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
+        elif self.is_qwen3:
+            out.update(num_position_embeddings=self.num_position_embeddings,
+                       deepstack_visual_indexes=list(self.deepstack_visual_indexes))
         else:
             ratio: float = self.mlp_dim // self.embed_dim if self.mlp_dim % self.embed_dim == 0 else self.mlp_dim / self.embed_dim
             while int(self.embed_dim * ratio) < self.mlp_dim:  # HF truncates embed_dim·mlp_ratio
                 ratio = float(np.nextafter(ratio, np.inf))
             out.update(embed_dim=self.embed_dim, hidden_size=self.out_hidden_size, mlp_ratio=ratio)
         return out
+
+
+def _qwen3_fields(raw: Mapping[str, Any], depth: int) -> dict[str, Any]:
+    """Qwen3-VL's own ``vision_config`` fields: the position table's size (a perfect square:
+    HF resamples it as a side×side grid) and the DeepStack blocks (distinct, below ``depth``,
+    kept in the given order: block ``indexes[j]`` runs merger j; the features reach decoder
+    layers in ascending block order, as HF collects them)."""
+    n = _positive_int(raw, "num_position_embeddings", 2304)
+    side = int(round(n**0.5))
+    if side * side != n or side < 2:
+        raise ConfigError(f"vision_config num_position_embeddings={n} is invalid: give a square of a side ≥ 2 (e.g. 48² = 2304)")
+    deep = raw.get("deepstack_visual_indexes", (8, 16, 24))
+    if not isinstance(deep, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth for i in deep) \
+            or len(set(deep)) != len(deep):
+        raise ConfigError(f"vision_config deepstack_visual_indexes={deep!r} is invalid: give distinct block indexes in [0, depth={depth})")
+    return dict(num_position_embeddings=n, deepstack_visual_indexes=tuple(deep))
 
 
 def vision_from_dict(raw: Mapping[str, Any], architecture: str) -> VisionConfig:
@@ -207,16 +248,26 @@ def _block_tensors(cfg: VisionConfig) -> list[tuple[str, str, tuple[int, ...]]]:
             ("up_w", "mlp.up_proj.weight", (f, e)), ("up_b", "mlp.up_proj.bias", (f,)),
             ("down_w", "mlp.down_proj.weight", (e, f)), ("down_b", "mlp.down_proj.bias", (e,)),
         ]
-    else:
+    else:  # Qwen2-VL's fc1/fc2 and Qwen3-VL's linear_fc1/linear_fc2: one ungated MLP
+        fc = "linear_fc" if cfg.is_qwen3 else "fc"
         mlp = [
-            ("fc1_w", "mlp.fc1.weight", (f, e)), ("fc1_b", "mlp.fc1.bias", (f,)),
-            ("fc2_w", "mlp.fc2.weight", (e, f)), ("fc2_b", "mlp.fc2.bias", (e,)),
+            ("fc1_w", f"mlp.{fc}1.weight", (f, e)), ("fc1_b", f"mlp.{fc}1.bias", (f,)),
+            ("fc2_w", f"mlp.{fc}2.weight", (e, f)), ("fc2_b", f"mlp.{fc}2.bias", (e,)),
         ]
     return norms + attn + mlp
 
 
-def _merger_tensors(cfg: VisionConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+def _merger_tensors(cfg: VisionConfig, postshuffle: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The patch merger's tensors; Qwen3-VL names them norm / linear_fc1 / linear_fc2, and its
+    DeepStack mergers (``postshuffle``) normalise the merged [merger_dim] rows instead."""
     m = cfg.merger_dim
+    if cfg.is_qwen3:
+        width = m if postshuffle else cfg.embed_dim
+        return [
+            ("ln_q_w", "norm.weight", (width,)), ("ln_q_b", "norm.bias", (width,)),
+            ("mlp0_w", "linear_fc1.weight", (m, m)), ("mlp0_b", "linear_fc1.bias", (m,)),
+            ("mlp2_w", "linear_fc2.weight", (cfg.out_hidden_size, m)), ("mlp2_b", "linear_fc2.bias", (cfg.out_hidden_size,)),
+        ]
     norm = [("ln_q_w", "ln_q.weight", (cfg.embed_dim,))]
     if not cfg.windowed:
         norm.append(("ln_q_b", "ln_q.bias", (cfg.embed_dim,)))
@@ -239,9 +290,14 @@ def vision_tensor_names(cfg: VisionConfig, prefix: str = "visual.") -> tuple[str
 def vision_tensor_shapes(cfg: VisionConfig, prefix: str = "visual.") -> dict[str, tuple[int, ...]]:
     """Each HF tensor name the tower reads (`vision_tensor_names`) -> its shape."""
     shapes = {f"{prefix}patch_embed.proj.weight": _patch_embed_shape(cfg)}
+    if cfg.is_qwen3:  # a biased Conv3d and the learned position table
+        shapes.update({f"{prefix}patch_embed.proj.bias": (cfg.embed_dim,),
+                       f"{prefix}pos_embed.weight": (cfg.num_position_embeddings, cfg.embed_dim)})
     for i in range(cfg.depth):
         shapes.update({f"{prefix}blocks.{i}.{hf}": shape for _, hf, shape in _block_tensors(cfg)})
     shapes.update({f"{prefix}merger.{hf}": shape for _, hf, shape in _merger_tensors(cfg)})
+    for j in range(len(cfg.deepstack_visual_indexes)):
+        shapes.update({f"{prefix}deepstack_merger_list.{j}.{hf}": shape for _, hf, shape in _merger_tensors(cfg, True)})
     return shapes
 
 
@@ -260,7 +316,8 @@ def vision_params_from_hf(
     ``prefix`` None finds ``visual.`` (saved checkpoints) or ``model.visual.`` (an in-memory
     ``state_dict()``). A missing tensor or one of the wrong shape is a `ConfigError` naming it.
     Returns {"patch_embed": [E, patch_dim] (the Conv3d kernel flattened in pixel_values' (C, t, p, p)
-    order), "blocks": {name: [depth, …]}, "merger": {name: …}}, every array in ``dtype``."""
+    order), "blocks": {name: [depth, …]}, "merger": {name: …}}, every array in ``dtype``; a Qwen3-VL
+    tower adds "patch_bias" [E], "pos_embed" [P, E] and "deepstack" {name: [n_deep, …]}."""
     prefix = _detect_prefix(tensors) if prefix is None else prefix
 
     def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -278,11 +335,21 @@ def vision_params_from_hf(
     }
     merger = {ours: read(f"{prefix}merger.{hf}", shape) for ours, hf, shape in _merger_tensors(cfg)}
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-    return {
+    out = {
         "patch_embed": cast(patch),
         "blocks": {k: cast(v) for k, v in blocks.items()},
         "merger": {k: cast(v) for k, v in merger.items()},
     }
+    if cfg.is_qwen3:  # deepstack: each merger's tensors stacked on a leading [n_deep] axis
+        out["patch_bias"] = cast(read(f"{prefix}patch_embed.proj.bias", (cfg.embed_dim,)))
+        out["pos_embed"] = cast(read(f"{prefix}pos_embed.weight", (cfg.num_position_embeddings, cfg.embed_dim)))
+        n = len(cfg.deepstack_visual_indexes)
+        out["deepstack"] = {
+            ours: cast(np.stack([read(f"{prefix}deepstack_merger_list.{j}.{hf}", shape) for j in range(n)]) if n
+                       else np.zeros((0, *shape), np.float32))
+            for ours, hf, shape in _merger_tensors(cfg, True)
+        }
+    return out
 
 
 def vision_tensors_to_hf(params: Mapping[str, Any], cfg: VisionConfig, prefix: str = "vision.") -> dict[str, np.ndarray]:
@@ -293,5 +360,11 @@ def vision_tensors_to_hf(params: Mapping[str, Any], cfg: VisionConfig, prefix: s
         stacked = np.asarray(params["blocks"][ours], np.float32)
         out.update({f"{prefix}blocks.{i}.{hf}": stacked[i] for i in range(cfg.depth)})
     out.update({f"{prefix}merger.{hf}": np.asarray(params["merger"][ours], np.float32) for ours, hf, _ in _merger_tensors(cfg)})
+    if cfg.is_qwen3:
+        out[f"{prefix}patch_embed.proj.bias"] = np.asarray(params["patch_bias"], np.float32)
+        out[f"{prefix}pos_embed.weight"] = np.asarray(params["pos_embed"], np.float32)
+        for ours, hf, _ in _merger_tensors(cfg, True):
+            stacked = np.asarray(params["deepstack"][ours], np.float32)
+            out.update({f"{prefix}deepstack_merger_list.{j}.{hf}": stacked[j] for j in range(len(stacked))})
     return out
 

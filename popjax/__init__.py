@@ -5,9 +5,11 @@
     print(out.text)
 """
 
-from .libtpu_env import prepare_libtpu_env
+from .libtpu_env import prepare_when_libtpu_starts
 
-prepare_libtpu_env()  # before JAX's first backend start: an installed libtpu then starts quietly off a TPU VM
+# sets nothing now: JAX's TPU backend sets libtpu's environment just before it loads libtpu (off a
+# TPU VM, an installed libtpu then starts quietly); a GPU or CPU run's environment is left alone
+prepare_when_libtpu_starts()
 from . import engine  # noqa: E402
 from .generation import Generation, StreamPiece, forward, generate, generate_ids, stream, stream_ids
 from .loading import convert_source, load

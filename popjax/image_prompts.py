@@ -10,7 +10,8 @@ host-side steps, as transformers' processor and model take them:
 2. The rows are left-padded into their buckets (``requests.pad_batch``).
 3. `image_prompt`: the vision tower (models/vision.py, jitted per patch bucket, so a new image
    size within a bucket compiles nothing) encodes every image of the batch, in row order; each
-   placeholder token takes the next feature row (``PlacedEmbeddings``); `models.mrope.rope_index`
+   placeholder token takes the next feature row (``PlacedEmbeddings``; Qwen3-VL's DeepStack
+   features ride along at the same slots); `models.mrope.rope_index`
    gives the [3, B, T] positions and each row's next position (its length + its rope delta).
 
 Rows without images (text-only rows in a mixed batch) get ordinary positions (three equal axes).
@@ -31,7 +32,7 @@ from .images import ImageError, PixelBatch, image_token_counts, preprocess
 from .loaded import LoadedModel
 from .models.layers import PlacedEmbeddings
 from .models.mrope import image_runs, rope_index
-from .models.vision import encode_images, pad_patches, patch_bucket, vision_layout
+from .models.vision import encode_images_deepstack, pad_patches, patch_bucket, vision_layout
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,7 +48,7 @@ def check_vision_model(model: LoadedModel, what: str = "images") -> None:
     """One clear line when ``model`` has no vision tower."""
     if not model.config.is_vision_language:
         raise ImageError(f"{what} given to {model.source}, a text-only {model.config.model_type} model; "
-                         "images need a vision-language model (Qwen2-VL, Qwen2.5-VL)")
+                         "images need a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
 
 
 def expand_placeholders(model: LoadedModel, rows: Sequence[Sequence[int]], images: Sequence[Sequence[Any]] | None) -> ExpandedPrompts:
@@ -90,8 +91,8 @@ def _check_no_placeholders(model: LoadedModel, rows: list[list[int]]) -> None:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _tower(params, cfg, pixel_values, arrays):
-    """The vision tower, one compile per (config, patch bucket)."""
-    return encode_images(params, cfg, pixel_values, arrays)
+    """The vision tower, one compile per (config, patch bucket): (features, DeepStack features or None)."""
+    return encode_images_deepstack(params, cfg, pixel_values, arrays)
 
 
 def image_prompt(model: LoadedModel, pixels: PixelBatch | None, tokens: np.ndarray, mask: np.ndarray) -> ImagePrompt | None:
@@ -103,13 +104,14 @@ def image_prompt(model: LoadedModel, pixels: PixelBatch | None, tokens: np.ndarr
     cfg = model.config
     bucket = patch_bucket(int(pixels.pixel_values.shape[0]), cfg.vision.merge_unit)
     layout = vision_layout(pixels.grid_thw, cfg.vision, bucket)
-    features = _tower(model.vision, cfg.vision, jnp.asarray(pad_patches(pixels.pixel_values, cfg.vision, bucket)),
-                      jax.tree_util.tree_map(jnp.asarray, layout.arrays))
+    features, deepstack = _tower(model.vision, cfg.vision, jnp.asarray(pad_patches(pixels.pixel_values, cfg.vision, bucket)),
+                                 jax.tree_util.tree_map(jnp.asarray, layout.arrays))
     slots, positions, next_position = placeholder_layout(cfg, tokens, mask, pixels.grid_thw)
     if int((slots >= 0).sum()) != layout.n_tokens:
         raise ImageError(f"the prompts hold {int((slots >= 0).sum())} image tokens and the images give {layout.n_tokens} features")
     return ImagePrompt(
-        PlacedEmbeddings(features.astype(jnp.dtype(model.dtype)), jnp.asarray(slots)),
+        PlacedEmbeddings(features.astype(jnp.dtype(model.dtype)), jnp.asarray(slots),
+                         None if deepstack is None else deepstack.astype(jnp.dtype(model.dtype))),
         jnp.asarray(positions, jnp.int32),
         jnp.asarray(next_position, jnp.int32),
     )
@@ -131,7 +133,8 @@ def split_images(prompt: Any) -> tuple[Any, list[Any]]:
     """A prompt -> (the prompt a chat template reads, its images in order). Chat messages whose
     ``content`` is a list of items (transformers' format: ``{"type": "image", "image": PIL image
     | path | array}``, ``{"type": "text", "text": ...}``) give up their images, each item left as
-    ``{"type": "image"}`` for the template to write its placeholder; other prompts have none."""
+    ``{"type": "image"}`` for the template to write its placeholder; other prompts have none.
+    A ``{"type": "video"}`` item is refused in one line (video is not supported)."""
     if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
         return prompt, []
     images, messages = [], []
@@ -142,6 +145,9 @@ def split_images(prompt: Any) -> tuple[Any, list[Any]]:
             continue
         items = []
         for item in content:
+            if isinstance(item, dict) and item.get("type") == "video":  # decided: docs/vlm.md, "Decisions"
+                raise ImageError("video items are not supported (popjax takes images only): give a clip's frames as "
+                                 "{'type': 'image'} items, or one frame")
             if isinstance(item, dict) and item.get("type") == "image":
                 if "image" not in item:
                     raise ImageError(f"a chat item {{'type': 'image'}} has no 'image' (a PIL image, path or array): {item!r}")

@@ -48,6 +48,17 @@ class LoadedModel:
             self._derived[name] = build(self)
         return self._derived[name]
 
+    def derived_names(self) -> frozenset:
+        """The names of the derived copies this model holds now (`derived`)."""
+        return frozenset(self._derived)
+
+    def release_derived(self, keep: frozenset) -> None:
+        """Drops the derived copies not named in ``keep`` (a method that fell back from the kernel
+        that read them: `popjax.requests.GenerationRequest.kernels_checked`); JAX frees their
+        device memory once nothing else holds them."""
+        for name in set(self._derived) - set(keep):
+            del self._derived[name]
+
     def ffn_stack(self) -> FFNStack:
         """Every layer's FFN weights stacked (`models.interface.FFNStack`): a scanned model's
         stack as it is, an unrolled model's layers stacked (a copy). ValueError on a

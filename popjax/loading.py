@@ -297,7 +297,7 @@ def place_model(
     if cfg.vision is None:
         image_processor = None
     else:  # the tower's tensors keep their HF names below "vision."
-        image_processor = image_processor or ImageProcessorConfig()
+        image_processor = image_processor or default_image_processor(cfg.vision)
         if "vision" not in tree:
             raise CheckpointError(f"{source} is a {cfg.model_type} model and its checkpoint has no vision tower tensors")
         flat = dict(_flatten(tree["vision"], "vision."))
@@ -333,13 +333,23 @@ def _flatten(tree: dict[str, Any], prefix: str):
             yield f"{prefix}{key}", np.asarray(value)
 
 
-def image_processor_config(directory: Path) -> ImageProcessorConfig:
+def image_processor_config(directory: Path) -> ImageProcessorConfig | None:
     """The image preprocessing a VLM checkpoint declares (its ``preprocessor_config.json``),
-    else Qwen2-VL's defaults."""
+    else None (`place_model` then takes its tower's defaults, `default_image_processor`)."""
     path = directory / "preprocessor_config.json"
     if not path.is_file():
-        return ImageProcessorConfig()
+        return None
     return ImageProcessorConfig.from_hf(json.loads(path.read_text()))
+
+
+def default_image_processor(vision) -> ImageProcessorConfig:
+    """The preprocessing a tower's hub checkpoints declare, for a checkpoint without its file:
+    Qwen2-VL's processor defaults; Qwen3-VL's patch 16, mean and std 0.5, 256²..4096² pixels
+    (its ``preprocessor_config.json`` on the hub)."""
+    if vision.is_qwen3:
+        return ImageProcessorConfig(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size, min_pixels=65536,
+                                    max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+    return ImageProcessorConfig()
 
 
 def _fill(target: dict, source: dict, prefix: str, place, derived: set[str]) -> None:

@@ -13,11 +13,34 @@ import numpy as np
 
 from . import engine, sharding
 from .image_prompts import expand_placeholders, image_prompt
+from .kernels import fallback
 from .loaded import LoadedModel
-from .methods import prepared
+from .methods import Method, method_label, prepared
 from .sampling import SamplingParams
 
 MAX_STOP_IDS = 8  # stop ids are padded to this static size so their number never recompiles
+
+# (plan, graphdef, tokens shape, capacity, text only) whose kernels built (`kernels_checked`)
+_CHECKED: set = set()
+
+
+def with_kernel(method: Method, kernel: str) -> Method:
+    """``method`` with its FFN method's ``kernel`` hyper-parameter set to ``kernel`` (a layer-level
+    method's inner method's); a method without one as it is."""
+    if "kernel" in method.hyper_parameters():
+        return dataclasses.replace(method, kernel=kernel)
+    inner = {f.name: with_kernel(v, kernel) for f in dataclasses.fields(method) if isinstance(v := getattr(method, f.name), Method)}
+    return dataclasses.replace(method, **inner) if inner else method
+
+
+def settled(method: Method, cfg) -> Method:
+    """``method``, or its ``kernel="xla"`` twin where ``kernel="auto"`` fell back from its plan
+    before (`GenerationRequest.kernels_checked`): the copies for a kernel that will not run are
+    not built again."""
+    if getattr(method.ffn_method, "kernel", None) == "auto" and fallback.fell_back(method.bind(cfg)) is not None:
+        return with_kernel(method, "xla")
+    return method
+
 
 def pad_token_id(model: LoadedModel) -> int:
     """The id fed for padding: the tokenizer's pad token, else its EOS, else 0 (id-only models).
@@ -103,7 +126,8 @@ class GenerationRequest:
         expanded = expand_placeholders(model, prompts, images)
         prompts = expanded.rows
         check_prompt_lengths(model, prompts, max_new_tokens)
-        method = prepared(method, model)
+        method = settled(prepared(method, model), model.config)
+        derived = model.derived_names()
         plan, data = method.bind(model.config), method.data(model)
         pad_id = pad_token_id(model)
         mesh = getattr(model, "mesh", None)
@@ -115,8 +139,43 @@ class GenerationRequest:
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         stops = _stop_ids(model, stop_ids, ignore_eos)
         placed = image_prompt(model, expanded.pixels, tokens, mask)
-        return cls(plan, data, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key,
-                   placed, prompts)
+        request = cls(plan, data, jnp.asarray(tokens), jnp.asarray(mask), len(prompts), capacity, sampling, stops, pad_id, key,
+                      placed, prompts)
+        return request.kernels_checked(model, method, derived)
+
+    def kernels_checked(self, model, method: Method, derived: frozenset = frozenset()) -> "GenerationRequest":
+        """This request, or, where its plan reads rows through a compiled Pallas kernel
+        (`fallback.TRIED`) that does not build at its shapes, the same request through XLA
+        (``kernel="auto"``: one warning, `fallback.record_fallback`; the weight copies that only
+        the kernel read, those built since ``derived`` named the model's, are released) or
+        `fallback.KernelUnavailable` (``kernel="pallas"``). The engine's start and step are
+        traced abstractly to reach the kernels (`popjax.kernels.fallback`: nothing runs or
+        compiles whole), once per plan and shapes; a plan that fell back at any shape runs XLA
+        from then on (`settled`)."""
+        key = (self.plan, model.graphdef, tuple(self.tokens.shape), self.capacity, self.images is None)
+        if fallback.plan_kernel(self.plan) not in fallback.TRIED or key in _CHECKED:
+            return self
+        try:
+            self._trace(model)
+            _CHECKED.add(key)
+            return self
+        except fallback.KernelUnavailable as err:
+            label = method_label(method)
+            if getattr(method.ffn_method, "kernel", "auto") != "auto":
+                raise fallback.explicit_error(label, err) from None
+            fallback.warn_fallback(label, err)
+            fallback.record_fallback(self.plan, err)
+        xla = with_kernel(method, "xla")
+        plan = xla.bind(model.config)
+        model.release_derived(keep=derived)  # before the XLA data: a copy both read is rebuilt once
+        return dataclasses.replace(self, plan=plan, data=xla.data(model))
+
+    def _trace(self, model) -> None:
+        """The start and one step traced abstractly (shapes only), as generate traces them."""
+        with sharding.use_mesh(model):
+            carry, _ = jax.eval_shape(lambda: self._start(model, False))
+            jax.eval_shape(lambda c: engine.stream_step(model.graphdef, model.params, self.plan, c, self.sampling,
+                                                        jnp.asarray(self.stops), jnp.int32(self.pad_id), data=self.data), carry)
 
     def start(self, model, with_aux: bool = False):
         with sharding.use_mesh(model):

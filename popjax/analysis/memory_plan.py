@@ -10,7 +10,8 @@ XLA's cost analysis. Analytic figures stand next to them: weights / model-axis s
 formula 2·B·kv_dim·itemsize·Σ_l S_l / (data · model) — S_l the cache slots of layer l: every slot
 for a full layer, the ring of its window for a sliding-window layer, and beside it the same
 formula with every layer full (what the model would need without windows) — and
-`bench.bytes_per_step`.
+`bench.bytes_per_step`. An offline method without its fits plans with placeholder fits of the right
+shapes (`popjax.analysis.shape_fitted`), as `popjax compile` does: a plan needs shapes, not a calibration.
 
 Published configs ship as small JSON files in ``popjax/configs/`` (HF ``config.json`` fields);
 any HF ``config.json`` path works as well. On CPU a mesh larger than the visible devices needs
@@ -41,6 +42,7 @@ from ..models.decoder import abstract_model
 from ..models.scan import abstract_scanned_model, check_scannable
 from ..sampling import SamplingParams
 from .flops import bytes_per_step
+from .shape_fitted import abstract_data, shape_fitted
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # popjax/configs
 GiB = 1024**3
@@ -152,6 +154,17 @@ def _with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_hidden_layers=n, moe=moe, layer_types=kinds)
 
 
+def _bind(method, cfg: ModelConfig, dtype: str, mesh) -> tuple[Any, Any]:
+    """``method``'s plan for ``cfg`` and its calibrated data as ShapeDtypeStructs replicated over
+    ``mesh`` (None when it has none). A plan needs shapes, not a calibration: an offline method
+    without its fits (TEAL's thresholds, GLASS's prior, ...) gets placeholder fits of the right
+    shapes (`shape_fitted`), as `popjax compile` gives it, so ``popjax plan --method teal`` plans
+    what a calibrated TEAL would run."""
+    fitted = shape_fitted(method, cfg)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return fitted.bind(cfg), abstract_data(fitted, cfg, dtype, replicated)
+
+
 def _layer_extrapolated_cost(cfg: ModelConfig, mesh, method, batch: int, prompt: int, capacity: int,
                              dtype: str) -> dict[str, float]:
     """XLA's cost of one unrolled decode step of the L-layer model, from the 1- and 2-layer
@@ -160,8 +173,13 @@ def _layer_extrapolated_cost(cfg: ModelConfig, mesh, method, batch: int, prompt:
     XLA's cost analysis counts a while loop's body once, so a scanned step reports one layer's
     cost whatever L is. The unrolled step is additive over its identical layers (on a tiny
     config the extrapolation from 1 and 2 layers gave the compiled 4-layer figures to 1e-5)."""
-    one, two = (_cost(_compile(_with_layers(cfg, n), mesh, method.bind(_with_layers(cfg, n)), batch, prompt,
-                               capacity, dtype, scan_layers=False, decode_loop=False)["step"]) for n in (1, 2))
+    costs = []
+    for n in (1, 2):
+        small = _with_layers(cfg, n)
+        plan, data = _bind(method, small, dtype, mesh)
+        costs.append(_cost(_compile(small, mesh, plan, batch, prompt, capacity, dtype, scan_layers=False,
+                                    decode_loop=False, data=data)["step"]))
+    one, two = costs
     return {k: one[k] + (cfg.num_hidden_layers - 1) * (two[k] - one[k]) for k in one}
 
 
@@ -193,8 +211,8 @@ rest would exceed the largest capacity bucket). ``scan_layers``: plan the scanne
     sharding.check_batch(batch, mesh)
     if getattr(method, "partition", None) == "per_shard" and method.shards is None:
         method = dataclasses.replace(method, shards=mesh.shape["model"])  # as POP.prepare does for a loaded model
-    plan = method.bind(cfg)
-    programs = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers)
+    plan, method_data = _bind(method, cfg, dtype, mesh)
+    programs = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, data=method_data)
     params, carry, start, loop = programs["params"], programs["carry"], programs["start"], programs["loop"]
     step_cost = _cost(programs["step"])
     if scan_layers:

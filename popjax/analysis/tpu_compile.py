@@ -42,11 +42,13 @@ import jax
 import jax.numpy as jnp
 
 from .. import engine, kernels, sharding
+from ..kernels import fallback
 from ..convert.readers import gguf_config, open_gguf
 from ..files import write_json_atomic
 from ..methods import Method, method_label, sweep
 from ..models.config import ModelConfig
 from ..models.scan import check_scannable
+from ..requests import with_kernel
 from .flops import bytes_per_step
 from .hbm_traffic import hbm_traffic
 from .memory_plan import _compile, _cost, _shard_bytes, _with_layers, resolve_config
@@ -86,15 +88,16 @@ def program_memory(compiled, hbm: int) -> dict[str, Any]:
     return out
 
 
-def step_cost(compiled) -> dict[str, float | None]:
+def step_cost(compiled, filled: int | None = None) -> dict[str, float | None]:
     """FLOPs and bytes accessed of a compiled program (`memory_plan._cost`), the bytes it moves
-    to and from HBM (`hbm_traffic`, from its optimized HLO) and, where the compiler gives a
+    to and from HBM (`hbm_traffic`, from its optimized HLO, its attention reading the ``filled``
+    cache slots written at the step counted; None: the whole cache) and, where the compiler gives a
     usable one, its own estimate of the optimal run time in seconds (XLA:TPU's
     ``optimal_seconds``: plausible on small programs, negative on the 8B's steps, then None)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     seconds = float((cost or {}).get("optimal_seconds", 0.0))
-    return {**_cost(compiled), "hbm_bytes": hbm_traffic(compiled.as_text())["bytes"],
+    return {**_cost(compiled), "hbm_bytes": hbm_traffic(compiled.as_text(), filled=filled)["bytes"],
             "optimal_seconds": seconds if seconds > 0 else None}
 
 
@@ -107,7 +110,7 @@ def _extrapolated_step_cost(cfg: ModelConfig, mesh, method: Method, batch: int, 
         small = _with_layers(cfg, n)
         plan, data = _bind_for_tpu(shape_fitted(method, small), small, dtype, mesh)
         costs.append(step_cost(_compile(small, mesh, plan, batch, prompt, capacity, dtype, False,
-                                    decode_loop=False, data=data)["step"]))
+                                    decode_loop=False, data=data)["step"], counted_slots(prompt, capacity)))
     one, two = costs
     return {k: None if one[k] is None or two[k] is None else one[k] + (cfg.num_hidden_layers - 1) * (two[k] - one[k])
             for k in one}
@@ -119,6 +122,25 @@ def _bind_for_tpu(method: Method, cfg: ModelConfig, dtype: str, mesh):
     mesh (`kernels.decode_ffn`), and the data holds what that kernel reads (TEAL's copies)."""
     with kernels.compiling_for("tpu"):
         return method.bind(cfg), abstract_data(method, cfg, dtype, _replicated(mesh))
+
+
+def _compile_or_fall_back(cfg: ModelConfig, mesh, method: Method, plan, data, head: dict[str, Any], batch: int, prompt: int,
+                          capacity: int, dtype: str, scan_layers: bool, **options):
+    """`memory_plan._compile` of ``plan`` -> (its programs, method, plan, data as compiled). Each
+    Pallas kernel is built alone when the program first traces it (`kernels.fallback.trial`);
+    where one does not, kernel="auto" compiles the method through XLA instead (one warning;
+    ``head`` records what ran) and kernel="pallas" is refused in one line."""
+    try:
+        return _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, data=data, **options), method, plan, data
+    except fallback.KernelUnavailable as err:
+        if getattr(method.ffn_method, "kernel", "auto") != "auto":
+            raise fallback.explicit_error(method_label(method), err) from None
+        fallback.warn_fallback(method_label(method), err)
+        head["kernel"] = fallback.record_fallback(plan, err)
+    method = with_kernel(method, "xla")
+    plan, data = _bind_for_tpu(shape_fitted(method, cfg), cfg, dtype, mesh)
+    head["plan"] = type(plan).__name__
+    return _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, data=data, **options), method, plan, data
 
 
 @contextlib.contextmanager
@@ -136,6 +158,14 @@ def _no_persistent_cache() -> Iterator[None]:
 
 def _replicated(mesh):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def counted_slots(prompt: int, capacity: int) -> int:
+    """The cache slots a counted decode step's attention reads: the step in the middle of the
+    generation (the prompt bucket and half the new tokens written, plus its own), whose bytes are
+    the mean step's of a generation that fills the cache. Decode attention reads only what is
+    written (`kernels.attention.cached_attention`), so a larger cache costs memory, not bytes."""
+    return prompt + capacity // 2 + 1
 
 
 def ideal_bytes(cfg: ModelConfig, plan, batch: int, slots: int, itemsize: int, mesh_shape: tuple[int, int]) -> dict[str, int]:
@@ -158,12 +188,13 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
     hbm, label = topology.hbm_per_device, method_label(method, exclude=("ratio",))
     ratio = method.reported()["ratio"]
     # what the decode step's selected rows run through on the TPU (`popjax.kernels.RESOLVED`)
-    head = {"method": label, "name": method.name, "ratio": ratio, "plan": type(plan).__name__, "kernel": getattr(plan, "kernel", "xla")}
+    # (or "xla (fallback: ...)" where kernel="auto" met a Pallas kernel that does not build: `_compile_or_fall_back`)
+    head = {"method": label, "name": method.name, "ratio": ratio, "plan": type(plan).__name__, "kernel": fallback.ran(plan)}
     try:
         with _no_persistent_cache(), kernels.compiling_for("tpu"):  # traced for the TPU (`sharding.pad_ids`)
-            out = _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, decode_loop=decode_loop, data=data,
-                           prefill=prefill)
-            cost = step_cost(out["step"])
+            out, method, plan, data = _compile_or_fall_back(cfg, mesh, method, plan, data, head, batch, prompt, capacity, dtype,
+                                                            scan_layers, decode_loop=decode_loop, prefill=prefill)
+            cost = step_cost(out["step"], counted_slots(prompt, capacity))
             if scan_layers:
                 # the HBM count walks every trip of the layer loop: the scanned program's own (what the
                 # loop costs beyond the unrolled step: docs/tpu.md), the unrolled extrapolation beside it
@@ -184,7 +215,8 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                 (Path(hlo_dir) / f"{label}-{ratio}.{key}.hlo.txt").write_text(out[key].as_text())
     carry, itemsize = out["carry"], jnp.dtype(dtype).itemsize
     slots = carry.state.key_valid.shape[1]
-    ideal = ideal_bytes(cfg, plan, batch, slots, itemsize, (mesh.shape["data"], mesh.shape["model"]))
+    read = min(counted_slots(prompt, capacity), slots)
+    ideal = ideal_bytes(cfg, plan, batch, read, itemsize, (mesh.shape["data"], mesh.shape["model"]))
     seconds = cost["bytes_accessed"] / topology.bandwidth_per_device
     # what stays on a device between programs: a program's own arguments leave out what it does
     # not read (XLA drops unused ones: TEAL's kernel step reads its copies, not the FFN weights)
@@ -199,7 +231,7 @@ def compile_method(cfg: ModelConfig, topology: Topology, mesh, method: Method, *
                         "hbm_estimated_tokens_per_s": batch * topology.bandwidth_per_device / cost["hbm_bytes"],
                         "xla_estimated_tokens_per_s": batch / cost["optimal_seconds"] if cost["optimal_seconds"] else None,
                         "ideal_tokens_per_s": batch * topology.bandwidth_per_device / ideal["per_device"]},
-        "cache_slots": slots,
+        "cache_slots": slots, "kv_slots_read": read,
     }
 
 

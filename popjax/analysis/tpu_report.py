@@ -75,6 +75,10 @@ def format_report(report: dict[str, Any]) -> str:
     missing += [f"{r['method']}: refused by XLA:TPU" for r in report["records"] if "error" in r]
     if missing:
         lines.append(f"does not fit in {t['hbm_per_device'] / GiB:.2f} GiB per device: " + "; ".join(missing))
+    # kernel="auto" that met a Pallas kernel which did not build compiled through XLA (popjax.kernels.fallback)
+    fell_back = [f"{r['method']}: {r['kernel']}" for r in report["records"] if str(r.get("kernel", "")).startswith("xla (fallback")]
+    if fell_back:
+        lines.append("ran through XLA instead of a Pallas kernel: " + "; ".join(fell_back))
     return "\n".join(lines)
 
 

@@ -29,15 +29,17 @@ from ..data import DEV_PLAY, load_play
 from ..generation import generate_ids
 from ..requests import pad_batch, pad_token_id
 from ..loaded import LoadedModel
-from ..loading import load
+from ..loading import default_dtype, load
 from ..methods import Method, make_method, method_label, sweep
+from ..kernels import fallback
 from ..kernels.int8 import WEIGHT_FORMATS
-from . import suites
+from . import suites, synthetic
 from .peers import bench_peers
 
 log = logging.getLogger(__name__)
 
 SUITES = ("decode", "lengths", "capacity", "stream", "memory")
+SYNTHETIC_PROMPT_TOKENS = 32  # a synthetic run's random prompts: about the length of BENCH_PROMPTS' chat prompts
 
 
 @dataclasses.dataclass
@@ -66,6 +68,10 @@ class BenchSettings:
     length_methods: Sequence[str] = ("pop",)
     length_new_tokens: int = 32
     mesh: Any = None  # a popjax.sharding.make_mesh mesh (a multi-host run's global mesh), None: one device
+    # random weights of a shipped config or a config.json drawn on the device instead of loading
+    # ``model`` (popjax.bench.synthetic): random token ids, offline methods with placeholder fits
+    synthetic: str | None = None
+    layers: int | None = None  # the synthetic model's first N layers (None: all)
 
     def __post_init__(self) -> None:
         _check_ints("batches", self.batches, 1, example="1,8")
@@ -95,6 +101,7 @@ class BenchSettings:
                 raise ValueError(f"{name}={specs}: a method name is empty; give names or specs, e.g. static,pop,dynamic")
         bench_methods(self)  # unknown names and bad hyper-parameters: MethodError naming them
         length_methods(self)
+        synthetic.check_run(self.synthetic, self.layers, self.suites, self.mesh)
 
 
 def _what(bad: list, why: str = "is invalid") -> str:
@@ -239,14 +246,22 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     (``records`` of the decode suite, ``suites``, ``transformers``)."""
     s = settings
     methods = bench_methods(s)  # before the (slow) load: a bad spec fails at once
-    models = {w: load(s.model, dtype=s.dtype, scan_layers=s.scan_layers, weights=w, mesh=s.mesh) for w in dict.fromkeys(s.weights)}
+    texts: list[str] = []
+    if s.synthetic is None:
+        models = {w: load(s.model, dtype=s.dtype, scan_layers=s.scan_layers, weights=w, mesh=s.mesh) for w in dict.fromkeys(s.weights)}
+        tok = next(iter(models.values())).tokenizer
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
+        prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        prepared = {w: [m.prepare(m_) for m in methods] for w, m_ in models.items()}  # offline methods calibrate once (cached)
+    else:  # random weights on the device, random ids, placeholder fits (popjax.bench.synthetic)
+        dtype = s.dtype or default_dtype()
+        models = {w: synthetic.synthetic_model(synthetic.synthetic_config(s.synthetic, s.layers, w), dtype, s.scan_layers,
+                                               source=f"{synthetic.SYNTHETIC_PREFIX}{s.synthetic}") for w in dict.fromkeys(s.weights)}
+        prompts = synthetic.random_prompts(next(iter(models.values())).config, len(BENCH_PROMPTS), SYNTHETIC_PROMPT_TOKENS)
+        prepared = {w: [synthetic.fitted(m, m_.config) for m in methods] for w, m_ in models.items()}
     model = next(iter(models.values()))
-    tok = model.tokenizer
     itemsize = jnp.dtype(model.dtype).itemsize
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in BENCH_PROMPTS]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     label = lambda method: method_label(method, exclude=("ratio", "aggregate"))  # noqa: E731  as popjax frontier labels it
-    prepared = {w: [m.prepare(m_) for m in methods] for w, m_ in models.items()}  # offline methods calibrate once (cached)
     bandwidth = [measure_bandwidth()]
     if "decode" not in s.suites:
         prepared = {w: [] for w in models}
@@ -272,11 +287,12 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "ratio": run.method.reported()["ratio"],
             "batch": run.batch,
             "weights": cfg.weights,
-            "kernel": getattr(plan, "kernel", "xla"),  # what read the selected rows (popjax.kernels.RESOLVED)
+            "kernel": fallback.ran(plan),  # what read the selected rows (kernels.RESOLVED), or "xla (fallback: ...)"
             **run.stats(),
             "bytes_per_step": bytes_per_step(cfg, plan, run.batch, slots, itemsize),
             "peak_rss_mb": _peak_rss_mb(),
             "ffn_flops_overhead_vs_static": flops_report(cfg, run.method)["overhead_vs_static_of_dense"],
+            **({"fits": synthetic.fit_note(run.method, cfg)} if s.synthetic else {}),
         })
     for w, ms in prepared.items():
         for method in ms:
@@ -304,7 +320,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "transformers": None,
         "peers": {},
     }
-    if "decode" in s.suites and s.transformers and s.model == DEFAULT_MODEL:
+    if s.synthetic is not None:
+        result["model"] = f"{synthetic.SYNTHETIC_PREFIX}{s.synthetic}"
+        result["synthetic"] = synthetic.describe(model.config, model.dtype, s.synthetic, seed=0)
+    elif "decode" in s.suites and s.transformers and s.model == DEFAULT_MODEL:
         result["peers"] = bench_peers(default_gguf_path(), texts, list(s.batches), s.max_new_tokens, s.repeats)
         result["transformers"] = result["peers"].get("transformers")
     return result

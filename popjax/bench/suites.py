@@ -27,7 +27,8 @@ from ..methods import Method, method_label
 from ..kernels.attention import cache_slots
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median over ``repeats`` calls of ``fn``'s wall time, each waited on (its JAX results ready)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -51,7 +52,7 @@ def time_generation(model: LoadedModel, method: Method, prompts: list[list[int]]
     run = lambda: req.decode(model, req.start(model)[0], new_tokens)[0]
     start = lambda: req.start(model)[0].token
     run()  # compile both programs
-    ttft, total = _median_time(start, repeats), _median_time(run, repeats)
+    ttft, total = median_seconds(start, repeats), median_seconds(run, repeats)
     return {
         "ttft_s": ttft,
         "decode_tokens_per_s": len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9),
@@ -92,7 +93,7 @@ def stream_suite(model, method: Method, prompt: list[int], new_tokens: int, repe
 
     streamed()
     loop = time_generation(model, method, [prompt], new_tokens, repeats)
-    total = _median_time(streamed, repeats)
+    total = median_seconds(streamed, repeats)
     stream_tps = (new_tokens - 1) / max(total - loop["ttft_s"], 1e-9)
     before = engine.compile_counts()["stream_step"]
     streamed()

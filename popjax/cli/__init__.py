@@ -18,13 +18,14 @@ from ..convert.readers import CheckpointError
 from ..methods import MethodError
 from ..models.config import ConfigError
 from . import (
-    analyze_layers, batch_study, bench, cache, calibrate_kv, compile, convert, digits_vqa, eval, frontier, generate, kv_drift, lm_eval, plan,
+    analyze_layers, batch_study, bench, cache, calibrate_kv, compile, convert, device_check, digits_vqa, eval, frontier, generate, kv_drift,
+    lm_eval, plan,
 )
 from .common import add_method_args, method_from_args, parse_skip, start_distributed
 
 # in the order `popjax --help` lists them
 COMMANDS = (generate, convert, bench, eval, lm_eval, analyze_layers, calibrate_kv, kv_drift, batch_study, frontier, plan, compile,
-            cache, digits_vqa)
+            cache, digits_vqa, device_check)
 
 __all__ = ["COMMANDS", "add_method_args", "build_parser", "main", "method_from_args", "parse_skip"]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..bench.runner import BenchSettings, format_suites, format_table, run_bench
 from .. import distributed
+from ..analysis.memory_plan import published_configs
 from ..files import write_json_atomic
 from .common import add_distributed_args, add_model_arg, mesh_from_args
 
@@ -33,6 +34,11 @@ def register(sub) -> None:
     p.add_argument("--length-methods", type=lambda s: s.split(","), default=list(DEFAULTS.length_methods),
                    help="methods of the lengths suite besides dense (first --ratios value)")
     p.add_argument("--length-new-tokens", type=int, default=DEFAULTS.length_new_tokens)
+    p.add_argument("--synthetic", default=None, metavar="MODEL",
+                   help=f"random weights of a shipped config ({', '.join(published_configs())}) or a config.json, drawn on the "
+                        "device in --dtype and each --weights format: no checkpoint, download or tokenizer (random token ids; "
+                        "offline methods get placeholder fits, noted in the JSON)")
+    p.add_argument("--layers", type=int, default=None, help="with --synthetic: the model's first N layers (default all)")
     p.add_argument("--json", default=None, help="write the results here")
     add_distributed_args(p)
     p.set_defaults(run=run)
@@ -44,6 +50,7 @@ def run(args: argparse.Namespace) -> None:
         batches=args.batches, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         transformers=not args.no_transformers, suites=args.suites, prompt_lengths=args.prompt_lengths,
         length_methods=args.length_methods, length_new_tokens=args.length_new_tokens, mesh=mesh_from_args(args),
+        synthetic=args.synthetic, layers=args.layers,
     )
     result = run_bench(settings)
     if not distributed.is_main():  # every process measured the same run; process 0 reports it

@@ -4,6 +4,7 @@ arguments, and the JSON / report outputs that name the command which made them."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
@@ -16,7 +17,7 @@ from ..analysis.memory_plan import parse_mesh
 from ..convert.default_model import DEFAULT_MODEL
 from ..convert.sources import source_names
 from ..files import write_json_atomic
-from ..methods import Method, parse_method_spec
+from ..methods import METHODS, Method, parse_method_spec
 from ..methods.prefill_only.kv_calibration import DEFAULT_RIDGE
 from ..methods.prefill_only.kv_training import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_WEIGHT_DECAY
 from ..kernels.int8 import WEIGHT_FORMATS
@@ -53,11 +54,23 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                              "both (default dense); the flags below are sugar for the spec's keys")
     parser.add_argument("--ratio", type=float, default=None, help="global pruning ratio in [0, 1)")
     parser.add_argument("--gamma", type=float, default=None, help="POP candidate band width (default 0.1)")
-    parser.add_argument("--aggregate", default=None, help="shared (default) or per_sequence")
+    parser.add_argument("--aggregate", default=None,
+                        help=f"how a batch's rows share a selection (default: the method's own: {_aggregate_defaults()})")
     parser.add_argument("--skip", type=parse_skip, default=None, help="prefill-only: layers skipped in prefill (default last third)")
     parser.add_argument("--kv", default=None, help="prefill-only: independent (default), calibrated or none")
     parser.add_argument("--no-boundary", dest="boundary", action="store_false", default=None,
                         help="prefill-only: prefill the last prompt token too")
+
+
+def _aggregate_defaults() -> str:
+    """Each registered method's default ``aggregate``, grouped by value, from the method classes
+    themselves (so the help cannot drift): "per_sequence for dynamic, pop, ...; max for cats, ..."."""
+    methods: dict[str, list[str]] = {}
+    for name, cls in sorted(METHODS.items()):
+        field = next((f for f in dataclasses.fields(cls) if f.name == "aggregate"), None)
+        if field is not None:
+            methods.setdefault(field.default, []).append(name)
+    return "; ".join(f"{value} for {', '.join(names)}" for value, names in methods.items())
 
 
 def method_from_args(args: argparse.Namespace) -> Method:

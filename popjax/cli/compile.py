@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024, help="KV-cache capacity: prompt + generated tokens")
-    p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2), padded to a prompt bucket")
+    p.add_argument("--prompt", type=int, default=None, help="prefill length (default context/2, at least context - 4096), padded to a prompt bucket")
     p.add_argument("--mesh", default=None, help="DATAxMODEL over every device of the topology (default 1xDEVICES)")
     p.add_argument("--scan-layers", action="store_true", help="the scanned model (one layer's code): deep models compile faster")
     p.add_argument("--no-decode-loop", dest="decode_loop", action="store_false",

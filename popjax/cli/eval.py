@@ -9,9 +9,10 @@ from ..eval.harness import EvalSettings, check_tasks, evaluate, markdown_table, 
 from ..eval.tasks import CodeNLLSettings, FidelitySettings, HumanEvalSettings, NLLSettings
 from ..loading import load
 from .common import add_distributed_args, add_model_arg, add_weights_arg, comma_list, mesh_from_args, write_outputs
+from .eval_benchmarks import add_table_args, render_command, table_command
 from .eval_bigbench import (
-    add_bigbench_args, bigbench_methods, bigbench_records, bigbench_table, check_bigbench, list_command, plot_bigbench,
-    split_tasks, suite_command,
+    TABLE_SUITE, add_bigbench_args, bigbench_methods, bigbench_records, bigbench_table, check_bigbench, is_choice_task,
+    list_command, plot_bigbench, split_tasks, suite_command,
 )
 
 
@@ -26,7 +27,8 @@ def register(sub) -> None:
     p.add_argument("--gamma", type=float, default=0.1, help="POP's candidate band (default 0.1)")
     p.add_argument("--aggregate", default="per_sequence", help="per_sequence (default) or shared")
     p.add_argument("--tasks", type=comma_list(str), default=None,
-                   help="nll, code_nll, fidelity, next_line, humaneval, digits_vqa and bigbench:NAME (default nll,fidelity,humaneval)")
+                   help="nll, code_nll, fidelity, next_line, humaneval, digits_vqa, bigbench:NAME, bbh:NAME and piqa "
+                        "(default nll,fidelity,humaneval)")
     p.add_argument("--play", default="hamlet", help="Shakespeare play for the NLL task (see popjax.data)")
     p.add_argument("--text-file", default=None, help="evaluate NLL on this UTF-8 text instead of a play")
     p.add_argument("--nll-prompt-tokens", type=int, default=256)
@@ -45,18 +47,22 @@ def register(sub) -> None:
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--out", default=None, help="directory for report.md and the plots")
     add_bigbench_args(p)
+    add_table_args(p)
     add_distributed_args(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    own_given = bool(args.tasks) and any(not t.startswith("bigbench:") for t in args.tasks)
+    own_given = bool(args.tasks) and any(not is_choice_task(t) for t in args.tasks)
     args.tasks, bigbench = split_tasks(args.tasks)
     if args.list_bigbench:
         return list_command(args)
+    if args.render:
+        return render_command(args)
     if args.suite:
-        return suite_command(args, bigbench, own_given, lambda: load(args.model, dtype=args.dtype, scan_layers=args.scan_layers,
-                                                                    weights=args.weights, mesh=mesh_from_args(args)))
+        command = table_command if args.suite == TABLE_SUITE else suite_command
+        return command(args, bigbench, own_given, lambda: load(args.model, dtype=args.dtype, scan_layers=args.scan_layers,
+                                                              weights=args.weights, mesh=mesh_from_args(args)))
     check_tasks(args.tasks)  # validate before the (slow) load
     bigbench_tasks = check_bigbench(args, bigbench)
     methods = sweep_methods(args.methods, args.ratios, args.gamma, args.aggregate)

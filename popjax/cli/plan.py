@@ -1,5 +1,7 @@
 """``popjax plan``: per-device memory and decode cost of a model, mesh, batch, context and method,
-from XLA, without weights (the plan: `popjax.analysis.memory_plan`).
+from XLA, without weights (the plan: `popjax.analysis.memory_plan`). An offline method (TEAL, ...)
+is planned with shape-fitted placeholders (`popjax.analysis.shape_fitted`), as ``popjax compile``
+plans it: a plan needs shapes, not a calibration.
 
 On CPU a mesh larger than the visible devices needs fake devices, and XLA reads
 ``--xla_force_host_platform_device_count`` only at start-up: the command then re-runs itself

@@ -37,7 +37,6 @@ import difflib
 import hashlib
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ import numpy as np
 
 from ..cache import get_or_make
 from ..convert.pypi import streamed_members
+from .paired import wilson_interval  # noqa: F401  (re-exported: the metrics of this module's records)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ TASKS_PREFIX = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 PREFIX = "bigbench:"  # the task-name grammar of `popjax eval --tasks`
 PERMUTATION_SEED = 42  # default_format_fn's generator
 DEFAULT_SEED = 42  # JsonTask's random_seed: shots and the limit's draw
-Z95 = 1.959963984540054
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +65,16 @@ class Query:
     scores: tuple[float, ...]
     subtask: str
     absolute: bool = False  # the task's absolute_normalization: grade on unnormalised log-probs
+    # lm-eval's target_delimiter: scored between the prompt and each choice, but not part of the
+    # choice's length in acc_norm (lm-eval divides by len(choice) without it)
+    delimiter: str = ""
+    # lm-eval's acc: the first maximum of the log-likelihoods (BIG-bench breaks ties by a hash)
+    first_argmax: bool = False
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """What follows the prompt for each choice: the delimiter, then the choice."""
+        return tuple(self.delimiter + c for c in self.choices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +85,16 @@ class Task:
     name: str
     preferred_score: str
     parts: tuple[tuple[str, dict, tuple[dict, ...]], ...]
+    family: str = "bigbench"  # where the files come from: "bigbench", or "bbh" (popjax.eval.bbh)
+
+    @property
+    def label(self) -> str:
+        """The task's name in records and on the command line: ``family:name``."""
+        return f"{self.family}:{self.name}"
+
+    def queries(self, shots: int = 0, limit: int | None = None, seed: int = DEFAULT_SEED) -> list["Query"]:
+        """`build_queries` of this task."""
+        return build_queries(self, shots, limit, seed)
 
     @property
     def examples(self) -> int:
@@ -288,23 +307,16 @@ def normalized(logprobs: np.ndarray) -> np.ndarray:
 
 
 def grade(query: Query, logprobs: np.ndarray) -> float:
-    """``multiple_choice_grade`` of one query: the target score of the chosen choice."""
+    """``multiple_choice_grade`` of one query: the target score of the chosen choice (lm-eval's
+    ``acc`` for a ``first_argmax`` query: 1 when its first maximum is a best-scored choice)."""
+    if query.first_argmax:  # lm-eval's acc
+        return float(query.scores[int(np.argmax(np.asarray(logprobs, np.float64)))] == max(query.scores))
     chosen = bigbench_argmax(np.asarray(logprobs, np.float64) if query.absolute else normalized(logprobs))
     return query.scores[chosen]
 
 
 def norm_correct(query: Query, logprobs: np.ndarray) -> float:
     """lm-eval's ``acc_norm``: the argmax (first) of log-probability per character of the choice
-    is a best-scored choice."""
+    (without the delimiter, as lm-eval counts ``len(choice)``) is a best-scored choice."""
     lengths = np.array([max(len(c), 1) for c in query.choices], np.float64)
     return float(query.scores[int(np.argmax(np.asarray(logprobs, np.float64) / lengths))] == max(query.scores))
-
-
-def wilson_interval(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion ``mean`` over ``n`` trials (95% by default)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    denominator = 1 + z * z / n
-    centre = (mean + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(max(mean * (1 - mean), 0.0) / n + z * z / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))

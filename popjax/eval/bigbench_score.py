@@ -9,12 +9,15 @@ choices, prompts and weights unmapped: XLA computes the prefill, which reads onl
 once for all K (XLA's FLOP estimate barely grows with K: tested), and runs each choice's tokens
 from that state.
 
-**Shapes.** Queries are sorted by prompt length and scored ``batch_size`` prompts at a time (fewer
-when K × prompts would pass `MAX_CHOICE_ROWS`), every batch of a task padded to one shape: the
-prompt bucket of its longest prompt (``engine.PROMPT_BUCKETS``), the choice bucket of its longest
-choice (`CHOICE_BUCKETS`), its most choices K and the batch bucket (dead rows and padded choices
-are scored and dropped). So a task compiles one program per method, and tasks of equal shape
-share it.
+**Shapes.** Queries are sorted by prompt bucket, then by their longest choice, and scored
+``batch_size`` prompts at a time (fewer when K × prompts would pass `MAX_CHOICE_ROWS`). Every batch
+of a task has the task's most choices K and the batch bucket (dead rows and padded choices are
+scored and dropped); its prompt bucket (``engine.PROMPT_BUCKETS``) and choice bucket
+(`CHOICE_BUCKETS`) are those of its own longest prompt and choice. On a CPU the cost is the padded
+tokens' FLOPs, so padding follows the lengths (PIQA: prompts of at most 33 tokens, solutions of 2 to
+231, median 16). A bucket joins the next larger one in use when that adds little padding
+(`MERGE_PADDING`), since a compile costs more than a few padded steps; programs are cached per
+shape, so tasks and methods of equal shapes share them.
 
 **Tokens** follow lm-eval's rule for causal models (``TemplateLM._encode_pair``): trailing
 whitespace of the prompt moves to the choice; prompt + choice is encoded whole and the choice's
@@ -51,13 +54,18 @@ from ..loaded import LoadedModel
 from ..methods import Method, method_label, prepared
 from ..requests import pad_batch, pad_token_id
 from . import local_tasks
-from .bigbench import PREFIX, Query, Task, build_queries, grade, norm_correct, wilson_interval
+from .bigbench import Query, Task, build_queries, grade, norm_correct
+from .paired import wilson_interval
 from .lm_eval_adapter import PopjaxLM, task_manager_for
 
 log = logging.getLogger(__name__)
 
 CHOICE_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512)
 MAX_CHOICE_ROWS = 64  # prompts per call × K at most: every choice row holds its own KV cache
+# A bucket joins the next larger one in use when its batches × the extra length stay within this:
+# a compile costs about the CPU time of ~48 padded decode steps (SmolLM2-135M on 2 cores: ~11 s
+# per compile, ~0.25 s per decode step of 32 rows)
+MERGE_PADDING = 48
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan"))
@@ -99,7 +107,7 @@ def encode_queries(model: LoadedModel, queries: list[Query]) -> tuple[list[list[
     context = model.config.max_position_embeddings
     prompts, choices = [], []
     for q in queries:
-        pairs = [encode_pair(model.tokenizer, q.prompt, c) for c in q.choices]
+        pairs = [encode_pair(model.tokenizer, q.prompt, c) for c in q.texts]
         ids = pairs[0][0] or [_prefix_id(model.tokenizer)]
         longest = max(len(t) for _, t in pairs)
         if any(len(t) == 0 for _, t in pairs):
@@ -117,18 +125,19 @@ def choice_logprobs(model: LoadedModel, method: Method, queries: list[Query], ba
     method = prepared(method, model)
     plan, data = method.bind(model.config), method.data(model)
     prompts, choices = encode_queries(model, queries)
-    T = engine.bucket_for(max(map(len, prompts)), engine.PROMPT_BUCKETS, "a prompt length")
-    N = engine.bucket_for(max(len(t) for c in choices for t in c), CHOICE_BUCKETS, "a choice length")
     K = max(map(len, choices))
     # fewer prompts per call for many choices (dyck_languages has 84), a batch bucket so none is padded
     fits = max(1, min(batch_size, MAX_CHOICE_ROWS // K))
     batch_size = max(b for b in engine.BATCH_BUCKETS if b <= fits)
     rows = min(batch_size, len(queries))
-    order = sorted(range(len(queries)), key=lambda i: -len(prompts[i]))
+    longest = [max(map(len, c)) for c in choices]
+    prompt_bucket = [engine.bucket_for(len(p), engine.PROMPT_BUCKETS, "a prompt length") for p in prompts]
+    order = sorted(range(len(queries)), key=lambda i: (prompt_bucket[i], longest[i], len(prompts[i])))
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     out: list[np.ndarray] = [np.zeros(0)] * len(queries)
     pad = pad_token_id(model)
-    for batch in progress(batches) if progress else batches:
+    shapes = batch_shapes([max(len(prompts[i]) for i in b) for b in batches], [max(longest[i] for i in b) for b in batches])
+    for batch, (T, N) in zip(progress(batches) if progress else batches, shapes):
         tokens, mask = pad_batch([prompts[i] for i in batch], pad, length=T, min_rows=rows)
         targets = np.zeros((K, tokens.shape[0], N), np.int32)
         for r, i in enumerate(batch):
@@ -142,6 +151,35 @@ def choice_logprobs(model: LoadedModel, method: Method, queries: list[Query], ba
     return out
 
 
+def merged_buckets(lengths: list[int], buckets: tuple[int, ...], what: str) -> list[int]:
+    """The longest item of each batch [batches] -> its bucket [batches]: the smallest of
+    ``buckets`` that holds it, raised to the next bucket in use when that pads its batches by at
+    most `MERGE_PADDING` positions in all (one compile fewer for a little padding)."""
+    out = [engine.bucket_for(n, buckets, what) for n in lengths]
+    used = sorted(set(out))
+    for small, large in zip(used, used[1:]):
+        if out.count(small) * (large - small) <= MERGE_PADDING:
+            out = [large if b == small else b for b in out]
+    return out
+
+
+def choice_buckets(longest: list[int]) -> list[int]:
+    """`merged_buckets` over `CHOICE_BUCKETS`: each batch's number of decode steps."""
+    return merged_buckets(longest, CHOICE_BUCKETS, "a choice length")
+
+
+def batch_shapes(prompts: list[int], choices: list[int]) -> list[tuple[int, int]]:
+    """Each batch's longest prompt and longest choice [batches] -> its (prompt bucket, choice
+    bucket): prompt buckets merged first, then the choice buckets of each prompt bucket's batches."""
+    T = merged_buckets(prompts, engine.PROMPT_BUCKETS, "a prompt length")
+    N = list(choices)
+    for t in set(T):
+        where = [i for i, b in enumerate(T) if b == t]
+        for i, n in zip(where, choice_buckets([choices[i] for i in where])):
+            N[i] = n
+    return list(zip(T, N))
+
+
 def score_queries(queries: list[Query], logprobs: list[np.ndarray]) -> dict[str, Any]:
     """accuracy (``multiple_choice_grade``), lm-eval's ``acc_norm``, their 95% Wilson intervals,
     and the per-query grades."""
@@ -153,22 +191,24 @@ def score_queries(queries: list[Query], logprobs: list[np.ndarray]) -> dict[str,
             "acc_norm_ci": list(wilson_interval(acc_norm, n)), "examples": n, "grades": grades}
 
 
-def evaluate_task(model: LoadedModel, method: Method, task: Task, shots: int = 0, limit: int | None = None,
+def evaluate_task(model: LoadedModel, method: Method, task: Any, shots: int = 0, limit: int | None = None,
                   seed: int = 42, batch_size: int = 8) -> dict[str, Any]:
-    """One record for ``task`` under ``method``: the metrics of `score_queries`, BIG-bench's chance
-    level, examples/s (wall, compiles included) and the compiles it caused."""
-    queries = build_queries(task, shots, limit, seed)
+    """One record for ``task`` (a BIG-bench or BBH `Task`, or `popjax.eval.piqa.PiqaTask`: anything
+    with ``label``, ``chance``, ``preferred_score`` and ``queries(shots, limit, seed)``) under
+    ``method``: the metrics of `score_queries`, the task's chance level, examples/s (wall,
+    compiles included) and the compiles it caused."""
+    queries = task.queries(shots, limit, seed)
     before, start = compile_counts(), time.perf_counter()
     logprobs = choice_logprobs(model, method, queries, batch_size)
     seconds = time.perf_counter() - start
     after = compile_counts()
     metrics = score_queries(queries, logprobs)
-    log.info("%s %s: acc %.3f (%d examples, %.1f s)", task.name, method.name, metrics["acc"], len(queries), seconds)
+    log.info("%s %s: acc %.3f (%d examples, %.1f s)", task.label, method.name, metrics["acc"], len(queries), seconds)
     return {
         "method": method.name,
         "label": method_label(method, exclude=("ratio", "aggregate")),
         **method.reported(),
-        "task": PREFIX + task.name,
+        "task": task.label,
         "shots": shots,
         "seed": seed,
         "preferred_score": task.preferred_score,
@@ -184,8 +224,8 @@ def evaluate_task(model: LoadedModel, method: Method, task: Task, shots: int = 0
 
 
 def lm_eval_name(task: Task) -> str:
-    """The lm-eval task name of a BIG-bench task: ``bigbench_<name>`` ("/" -> "__")."""
-    return "bigbench_" + task.name.replace("/", "__")
+    """The lm-eval task name of a BIG-bench (BBH) task: ``bigbench_<name>`` (``bbh_<name>``), "/" -> "__"."""
+    return f"{task.family}_" + task.name.replace("/", "__")
 
 
 def documents(queries: list[Query]) -> list[dict[str, Any]]:

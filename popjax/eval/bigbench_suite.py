@@ -29,6 +29,7 @@ from ..loaded import LoadedModel
 from .bigbench import PREFIX, Task, list_tasks, load_task
 from .bigbench_score import compile_counts, evaluate_task
 from .frontier import configurations
+from .paired import average_ranks
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def run_suite(model: LoadedModel, specs: Sequence[str], ratios: Sequence[float],
         try:
             record = run(dense, task)
         except ValueError as err:  # too few examples for the shots, a limit below its subtasks
-            selection.append({"task": PREFIX + task.name, "selected": False, "why": str(err)})
+            selection.append({"task": task.label, "selected": False, "why": str(err)})
             continue
         chosen = record["acc_ci"][0] > task.chance
         selection.append({"task": record["task"], "selected": chosen, "examples": record["examples"], "chance": task.chance,
@@ -94,16 +95,6 @@ def run_suite(model: LoadedModel, specs: Sequence[str], ratios: Sequence[float],
     }
 
 
-def _average_ranks(values: Sequence[float]) -> np.ndarray:
-    """Rank 1 = highest value; tied values share the mean of their ranks."""
-    values = np.asarray(values, np.float64)
-    ranks = np.empty(len(values))
-    for v in np.unique(values):
-        where = np.flatnonzero(values == v)
-        ranks[where] = np.mean([1 + np.sum(values > v) + i for i in range(len(where))])
-    return ranks
-
-
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration (label, ratio), in sweep order: mean accuracy, mean acc_norm, mean rank
     over the tasks every configuration ran, tasks counted."""
@@ -113,7 +104,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     common = [t for t in tasks if all((c[0], c[1], t) in table for c in configs)]
     ranks = {c: [] for c in configs}
     for task in common:
-        for c, rank in zip(configs, _average_ranks([table[(*c, task)]["acc"] for c in configs])):
+        for c, rank in zip(configs, average_ranks([table[(*c, task)]["acc"] for c in configs])):
             ranks[c].append(rank)
     out = []
     for c in configs:

@@ -14,7 +14,9 @@ functional interfaces, so that a faster kernel for one platform drops in at one 
   decode step selected (docs/kernels.md).
 * Here: `choose`, the ONE place that maps a method's ``kernel`` hyper-parameter ("auto",
   "xla", "pallas") to what runs on this platform (`RESOLVED`); `decode_ffn` calls the kernel a
-  resolved value names (a plan imports it; importing this package does not load Pallas).
+  resolved value names (a plan imports it; importing this package does not load Pallas), each
+  first built alone (`fallback`: "auto" falls back to XLA where one does not build); `chips`
+  the device the kernels size for (a TPU's VMEM, a GPU's SMs and shared memory, by device kind).
 
 This package imports nothing else of popjax: it is the bottom layer of the import contract.
 """

@@ -76,11 +76,12 @@ def check_slab(slab: BlockSlab, x: jax.Array, act: str, layer=None) -> tuple[int
 def slab_view(slab: BlockSlab, layer) -> tuple[BlockSlab, jax.Array | int]:
     """``slab`` as one slab (a stack's values [S·nb, 3, b, d], a bitcast; int8: gate/up scales
     [S·nb, 2, b] and the layer's down scale [1, d]) and the offset of ``layer``'s blocks in it
-    (0 for one slab, not a stack)."""
+    (0 for one slab, not a stack). ``layer`` is clamped into [0, S): Pallas checks no bounds, so
+    an index past the stack would fetch another buffer's memory."""
     if layer is None:
         return slab, 0
     layers, nb = slab.values.shape[:2]
-    layer = jnp.asarray(layer, jnp.int32)
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, layers - 1)
     values = slab.values.reshape(layers * nb, *slab.values.shape[2:])
     if slab.gate_up_scale is None:
         return BlockSlab(values), layer * nb

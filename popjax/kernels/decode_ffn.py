@@ -15,6 +15,11 @@ On a mesh of several devices (the jit's abstract mesh) the kernel runs on every 
 (`popjax.sharding.take_replicated`), so each device reads the m selected rows, as XLA's gather
 of that replicated copy does, and holds the whole result. A Pallas call outside ``shard_map``
 would leave XLA's partitioner to guess how to split an opaque custom call.
+
+Each call builds its kernel alone first, at its operands' shapes (`run_tried`, `fallback.trial`): a
+compiled kernel that does not build raises `fallback.KernelUnavailable` while the program is
+traced, before XLA compiles it, which the layer that binds the method turns into XLA
+(``kernel="auto"``) or a one-line error (``kernel="pallas"``; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from . import RESOLVED, TPU_KERNELS, ffn_gpu, ffn_tpu, matvec_tpu
 from .block_slab import BlockSlab
+from .fallback import trial
 from .ffn_layout import MAX_BATCH, ChannelRows, InputRows, OutputRows, check_block
 from .selection import counted_blocks, union_of_rows
 
@@ -36,20 +42,20 @@ def gather_matvec(x: jax.Array, rows: InputRows, ids: jax.Array, *, out_features
     contract) with W as `ffn_layout.InputRows` [k, L, 128], x [B, k], by the Pallas ``kernel``
     (one of `RESOLVED` but "xla"); ValueError naming any other value."""
     call = platform_call(kernel, ffn_gpu.gather_matvec, matvec_tpu.gather_matvec, out_features=out_features)
-    return per_device(call)(x, rows, ids)
+    return run_tried("gather_matvec", kernel, call, (x, rows, ids), out_features)
 
 
 def values_matvec(values: jax.Array, rows: InputRows, ids: jax.Array, *, out_features: int, kernel: str) -> jax.Array:
     """y [B, n] = Σ_p values[:, p] · W[ids[p]] (values [B, m] given per position beside ids [m],
     W as `ffn_layout.InputRows` [k, L, 128]) by the Pallas ``kernel``: only the m rows are read."""
     call = platform_call(kernel, ffn_gpu.values_matvec, matvec_tpu.values_matvec, out_features=out_features)
-    return per_device(call)(values, rows, ids)
+    return run_tried("values_matvec", kernel, call, (values, rows, ids), out_features)
 
 
 def gather_row_dots(x: jax.Array, rows: OutputRows, ids: jax.Array, *, kernel: str) -> jax.Array:
     """u [B, m] f32 = x · W[ids]ᵀ for x [B, d] and W as `ffn_layout.OutputRows` [n, L, 128],
     ids [m] (`selection`'s contract), by the Pallas ``kernel``: only the m rows are read."""
-    return per_device(platform_call(kernel, ffn_gpu.gather_row_dots, matvec_tpu.gather_row_dots))(x, rows, ids)
+    return run_tried("gather_row_dots", kernel, platform_call(kernel, ffn_gpu.gather_row_dots, matvec_tpu.gather_row_dots), (x, rows, ids))
 
 
 def platform_call(kernel: str, gpu, tpu, **kwargs):
@@ -80,7 +86,8 @@ def masked_matvec(x: jax.Array, rows: InputRows, active: jax.Array, *, out_featu
                                             expected_active=expected_active, interpret=interpret)
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
+    args = (x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32))
+    return run_tried("masked_matvec", kernel, _in_row_chunks(call), args, (out_features, expected_active))
 
 
 def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Array, *, layer, act: str, expected_active: int,
@@ -105,7 +112,8 @@ def gated_ffn(x: jax.Array, rows: ChannelRows, active: jax.Array, gate: jax.Arra
 
     if kernel not in ("pallas-gpu", *TPU_KERNELS):
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(_in_row_chunks(call))(x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32), gate)
+    args = (x, rows, active, None if layer is None else jnp.asarray(layer, jnp.int32), gate)
+    return run_tried("gather_ffn", kernel, _in_row_chunks(call), args, (act, expected_active))
 
 
 def block_ffn(x: jax.Array, slab: BlockSlab, blocks: jax.Array, *, layer, act: str, kernel: str) -> jax.Array:
@@ -123,7 +131,8 @@ def block_ffn(x: jax.Array, slab: BlockSlab, blocks: jax.Array, *, layer, act: s
         ids, count = union_of_rows(row_mask, min(row_mask.shape[1], blocks.size))
         return run(x, slab, ids, row_mask, count=count, layer=layer)
 
-    return per_device(_in_row_chunks(call))(x, slab, blocks, None if layer is None else jnp.asarray(layer, jnp.int32))
+    args = (x, slab, blocks, None if layer is None else jnp.asarray(layer, jnp.int32))
+    return run_tried("block_ffn", kernel, _in_row_chunks(call), args, act)
 
 
 def _in_row_chunks(call):
@@ -166,7 +175,8 @@ def block_matvec(x: jax.Array, rows: InputRows, block_ids: jax.Array, *, block: 
                                            interpret=kernel == "pallas-interpret")
     else:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel; use one of {RESOLVED[1:]}")
-    return per_device(call)(x, rows, block_ids, None if layer is None else jnp.asarray(layer, jnp.int32))
+    args = (x, rows, block_ids, None if layer is None else jnp.asarray(layer, jnp.int32))
+    return run_tried("block_matvec", kernel, call, args, (block, out_features))
 
 
 def block_positions(block_ids: jax.Array, block: int, rows: int) -> jax.Array:
@@ -178,6 +188,16 @@ def block_positions(block_ids: jax.Array, block: int, rows: int) -> jax.Array:
     raw, counted = counted_blocks(block_ids, rows // block)
     first = jnp.where(counted, raw * block, -rows - block)  # a block not counted: ids below 0
     return (first[:, None] + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
+
+
+def run_tried(name: str, kernel: str, call, args: tuple, static=()) -> jax.Array:
+    """``call(*args)`` on every device (`per_device`), first built alone at these shapes, as it
+    runs (under ``shard_map`` on a mesh of several devices: `fallback.trial`, which raises
+    `fallback.KernelUnavailable` when it does not build; ``static``: what else ``call`` closes
+    over that changes the kernel)."""
+    run_here = per_device(call)
+    trial(name, kernel, run_here, args, static)
+    return run_here(*args)
 
 
 def per_device(call):

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .block_slab import BlockSlab, check_slab, slab_view
+from .chips import gpu_spec
 from .ffn_layout import (
     ChannelRows,
     InputRows,
@@ -42,10 +43,37 @@ from .ffn_layout import (
     values_stack,
 )
 from .selection import select_blocks, select_channels
+from .triton_offsets import check_offsets
 
 CHUNK = 32  # positions per gate/up program (the K of the down dot: Triton wants >= 16)
 D_TILE = 128  # columns per load and per down program
-TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs): enough down programs to fill it
+PROGRAMS_PER_SM = 2  # down programs per streaming multiprocessor: enough to fill the GPU (`chips.gpu_spec`)
+STAGES = 2  # Triton's software-pipelining stages: each stages one tile of x and of the weight rows
+
+
+def target_programs(interpret: bool) -> int:
+    """How many down programs a call aims for: two per SM of the GPU traced for (`chips`: 264 on
+    an H100 or H200, 216 on an A100; an H100's in interpret mode)."""
+    return PROGRAMS_PER_SM * gpu_spec(interpret).sms
+
+
+def program_smem_bytes(batch: int, x_dtype, w_dtype) -> int:
+    """Shared memory one gate/up program stages, an upper bound: `STAGES` copies of an x tile
+    [M, D_TILE] (M = batch padded to a power of two ≥ 16: Triton's dot) and of the gate and up
+    rows' tiles [CHUNK, D_TILE] (the down program stages less: one weight tile, h's)."""
+    rows = max(16, _pow2(batch))
+    per_stage = rows * D_TILE * jnp.dtype(x_dtype).itemsize + 2 * CHUNK * D_TILE * jnp.dtype(w_dtype).itemsize
+    return STAGES * per_stage
+
+
+def check_smem(batch: int, x_dtype, w_dtype, interpret: bool) -> None:
+    """ValueError in one line when a program's staged tiles (`program_smem_bytes`) exceed what one
+    thread block of the GPU may use (`chips.gpu_spec`): Triton would refuse it at compile."""
+    spec, need = gpu_spec(interpret), program_smem_bytes(batch, x_dtype, w_dtype)
+    if need > spec.smem_per_block:
+        raise ValueError(f"the Triton FFN kernels at batch {batch} ({jnp.dtype(x_dtype)} x, {jnp.dtype(w_dtype)} rows) stage "
+                         f"{need / 1024:.0f} KiB of shared memory per program, over {spec.name}'s "
+                         f"{spec.smem_per_block / 1024:.0f} KiB per block; use a smaller batch")
 
 
 def _pow2(n: int) -> int:
@@ -136,8 +164,10 @@ def rows_ffn(
     keep = jnp.pad(keep, (0, pad))
     int8 = gate_up_scale is not None
     d_tiles = -(-d // D_TILE)
-    splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
+    splits = splits or max(1, min(chunks, -(-target_programs(interpret) // d_tiles)))
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    if not interpret:
+        check_offsets("down_rows", weights=weights)
     h = _gate_up_rows(x, weights, row_ids[0], row_ids[1], keep, mask, gate_up_scale, act=act_fn, gated=gated, interpret=interpret)
     parts = pl.pallas_call(
         functools.partial(
@@ -159,6 +189,9 @@ def _gate_up_rows(x, weights, gate_ids, up_ids, keep, mask, scale, *, act, gated
     """`rows_ffn`'s first kernel: h [B, U] (f32) over positions padded to the chunk: ids, keep
     [U] and mask [B, U] padded already; scale [2 or 1, U'] (int8) or None, padded here."""
     batch, d = x.shape
+    check_smem(batch, x.dtype, weights.dtype, interpret)
+    if not interpret:  # compiled Triton only: interpret mode indexes through XLA, in 64 bits
+        check_offsets("gate_up_rows", weights=weights, x=x, mask=mask)
     chunks = keep.shape[0] // CHUNK
     extra = [jnp.pad(scale, ((0, 0), (0, chunks * CHUNK - scale.shape[1])))] if scale is not None else []
     return pl.pallas_call(
@@ -314,7 +347,9 @@ def _rows_matvec(xs, flat, ids, keep, scale, *, out_features, dtype, interpret, 
     pad = chunks * CHUNK - n
     xs = jnp.pad(xs, ((0, 0), (0, pad)))
     d_tiles = -(-out_features // D_TILE)
-    splits = splits or max(1, min(chunks, -(-TARGET_PROGRAMS // d_tiles)))
+    splits = splits or max(1, min(chunks, -(-target_programs(interpret) // d_tiles)))
+    if not interpret:
+        check_offsets("input_rows", weights=flat, xs=xs)
     kernel = functools.partial(
         _down_kernel, batch=batch, d=out_features, chunk=CHUNK, d_tile=D_TILE, chunks=chunks, splits=splits, dtype=dtype
     )

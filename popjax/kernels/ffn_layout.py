@@ -149,11 +149,12 @@ def stack_view(rows: ChannelRows, layer, layers: int | None):
     """``rows`` as one matrix per kind (values [m, S·f, L, 128], a bitcast of a stack; int8
     scales [k, S·f] and the layer's down scale [1, L·128]) and the offset of ``layer``'s channels
     in it (0 for one matrix, not a stack): the kernels fetch a stacked layer's rows by offset
-    ids, so no layer is copied out of the stack."""
+    ids, so no layer is copied out of the stack. ``layer`` is clamped into [0, S): Pallas checks
+    no bounds, so an index past the stack would fetch another buffer's memory."""
     if layers is None:
         return rows.values, rows.gate_up_scale, rows.down_scale, 0
     m, _, f, lines, lanes = rows.values.shape
-    layer = jnp.asarray(layer, jnp.int32)
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, layers - 1)
     values = rows.values.reshape(m, layers * f, lines, lanes)
     if rows.gate_up_scale is None:
         return values, None, None, layer * f

@@ -29,15 +29,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .block_slab import BlockSlab, check_slab, slab_view
+from .chips import TPU_CHIPS, tpu_chip
 from .ffn_layout import ChannelRows, activation, channel_lines, check_channel_rows, check_gate, stack_view
 from .selection import select_blocks, select_channels
 from .traffic import block_ffn_bytes, gather_ffn_bytes
 
-# Default scoped VMEM per kernel, measured: the limit libtpu 0.0.42 names when a kernel exceeds
-# it ("… and limit 16.00M exceeded …"; `default_scoped_vmem` in benchmarks/kernels_compile.py,
-# docs/kernels.md). Physical VMEM per core comes from jax's chip table (`get_tpu_info_for_chip`).
-DEFAULT_SCOPED_VMEM = {"v5e": 16 << 20, "v6e": 32 << 20, "v5p": 16 << 20}
-_CHIP_VERSIONS = {"v5e": pltpu.ChipVersion.TPU_V5E, "v6e": pltpu.ChipVersion.TPU_V6E, "v5p": pltpu.ChipVersion.TPU_V5P}
+# Default scoped VMEM per chip (the floor of a kernel's limit) and physical VMEM per core: the
+# device kind's figures (`chips`: their sources, measured or assumed)
+DEFAULT_SCOPED_VMEM = {name: chip.default_scoped_vmem for name, chip in TPU_CHIPS.items()}
 _VMEM_MARGIN = 2 << 20  # headroom over the estimate in the limit a kernel is built with
 # Mosaic's own scoped VMEM beside the buffers (semaphores, its temporaries): the smallest
 # vmem_limit_bytes that compiles (bisected, libtpu 0.0.42, v5e) exceeds the buffers below by up
@@ -49,10 +48,8 @@ _NT = (((1,), (1,)), ((), ()))  # x [B, d] · rows [n, d]ᵀ
 
 
 def chip_vmem_bytes(chip: str) -> int:
-    """Physical VMEM of one TensorCore of ``chip`` ("v5e", "v6e", "v5p")."""
-    if chip not in _CHIP_VERSIONS:
-        raise ValueError(f"chip={chip!r} is not a known TPU; use one of {list(_CHIP_VERSIONS)}")
-    return pltpu.get_tpu_info_for_chip(_CHIP_VERSIONS[chip], 1).vmem_capacity_bytes
+    """Physical VMEM of one TensorCore of ``chip`` ("v4", "v5e", "v5p", "v6e", "v7x": `chips`)."""
+    return tpu_chip(chip).vmem_bytes
 
 
 def vmem_buffer_bytes(shape: tuple[int, ...], dtype) -> int:
@@ -95,15 +92,16 @@ def _pinned_to_hbm_batched(axis_size, in_batched, weights):
     return (weights if in_batched[0] else pltpu.with_memory_space_constraint(weights, pltpu.HBM)), in_batched[0]
 
 
-def vmem_limit(estimate: int, chip: str, what: str) -> int:
+def vmem_limit(estimate: int, chip: str | None, what: str, interpret: bool = False) -> int:
     """The vmem_limit_bytes for a kernel needing ``estimate``: the chip's default scoped VMEM or
-    the estimate plus headroom; ValueError naming ``what`` when it exceeds the chip's VMEM."""
-    physical = chip_vmem_bytes(chip)
-    if estimate > physical:
-        raise ValueError(
-            f"{what} needs {estimate / 2**20:.1f} MiB of VMEM, over {chip}'s {physical / 2**20:.0f} MiB; use a smaller block, chunk or batch"
-        )
-    return min(physical, max(DEFAULT_SCOPED_VMEM[chip], estimate + _VMEM_MARGIN))
+    the estimate plus headroom; ValueError naming ``what`` when it exceeds the chip's VMEM.
+    ``chip`` None: the device the program is traced for (`chips.tpu_chip`: its device kind; a
+    v5e in interpret mode)."""
+    target = tpu_chip(chip, interpret)
+    if estimate > target.vmem_bytes:
+        raise ValueError(f"{what} needs {estimate / 2**20:.1f} MiB of VMEM, over {target.name}'s "
+                         f"{target.vmem_bytes / 2**20:.0f} MiB; use a smaller block, chunk or batch")
+    return min(target.vmem_bytes, max(target.default_scoped_vmem, estimate + _VMEM_MARGIN))
 
 
 def block_vmem_bytes(batch: int, block_size: int, d: int, weight_dtype, x_dtype, masked: bool) -> int:
@@ -187,7 +185,7 @@ def block_ffn(
     act: str = "silu",
     layer: jax.Array | int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, d] = the FFN of x [B, d] over the blocks ``block_ids [n]`` (ids[:count] selected,
@@ -203,7 +201,7 @@ def block_ffn(
     n = sel.ids.shape[0]
     masked, int8 = sel.mask is not None, slab.gate_up_scale is not None
     est = block_vmem_bytes(batch, b, d, slab.values.dtype, x.dtype, masked)
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_ffn (B={batch}, b={b}, d={d}, {slab.values.dtype})")
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_ffn (B={batch}, b={b}, d={d}, {slab.values.dtype})", bool(interpret))
 
     fixed = lambda i, ids, keep: (0, 0)  # noqa: E731
     in_specs = [pl.BlockSpec((batch, d), fixed), pl.BlockSpec((None, 3, b, d), lambda i, ids, keep: (ids[i], 0, 0, 0))]
@@ -315,7 +313,7 @@ def gather_ffn(
     expected_rows: int | None = None,
     chunk: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, d] = the FFN of x [B, d] over channels ``ids`` of ``rows`` (`ChannelRows`, values
@@ -352,7 +350,7 @@ def gather_ffn(
     mask = jnp.pad(mask, ((0, 0), (0, pad))).reshape(batch, steps, chunk).transpose(1, 0, 2)  # [steps, B, chunk]
     int8 = rows.gate_up_scale is not None
     est = gather_vmem_bytes(batch, chunk, d, rows.values.dtype, x.dtype, len(matrices))
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_ffn (B={batch}, chunk={chunk}, d={d}, {rows.values.dtype})")
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_ffn (B={batch}, chunk={chunk}, d={d}, {rows.values.dtype})", bool(interpret))
 
     fixed = lambda i, ids, keep: (0, 0)  # noqa: E731
     per_step = lambda i, ids, keep: (i, 0, 0)  # noqa: E731

@@ -51,9 +51,11 @@ def row_of(rows, row: int = 0):
 def per_row(rows, batch: int):
     """Held rows whose stack carries a row axis after the layer's ([S, B, ...]) -> held rows of a
     flat stack [S·B, ...] (a bitcast) with ``layer`` [B], each row's offset (layer·B + row): what
-    a vmap over the rows maps with `row_axes` (the stack unmapped, the offsets mapped)."""
+    a vmap over the rows maps with `row_axes` (the stack unmapped, the offsets mapped). The layer
+    is clamped into [0, S) first: past the stack, its offsets would name another layer's rows."""
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
-    layer = jnp.asarray(rows.layer, jnp.int32) * batch + jnp.arange(batch, dtype=jnp.int32)
+    layer = jnp.clip(jnp.asarray(rows.layer, jnp.int32), 0, rows.values.shape[0] - 1)
+    layer = layer * batch + jnp.arange(batch, dtype=jnp.int32)
     return type(rows)(flat(rows.values), flat(rows.scale), layer)
 
 

@@ -83,7 +83,7 @@ def gather_matvec(
     count: int | jax.Array | None = None,
     chunk: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = W · x over the inputs ``ids`` of x [B, k] (W as `InputRows` [k, L, 128],
@@ -107,7 +107,7 @@ def values_matvec(
     out_features: int,
     chunk: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = Σ_p values[:, p] · W[ids[p]] for values [B, m] given per position (a step that
@@ -131,7 +131,7 @@ def masked_matvec(
     expected_active: int | None = None,
     chunk: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = W · (x where ``active``) for x [B, k], reading only the rows of the inputs some
@@ -159,7 +159,7 @@ def _rows_matvec(xs, ids, keep, values, scale, *, out_features, rows_read, chunk
     pad = steps * chunk - n
     xs = jnp.pad(xs, ((0, pad), (0, 0))).reshape(steps, chunk, batch).transpose(0, 2, 1)
     est = matvec_vmem_bytes(batch, chunk, out_features, values.dtype, xs.dtype)
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_matvec (B={batch}, chunk={chunk}, n={out_features}, {values.dtype})")
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_matvec (B={batch}, chunk={chunk}, n={out_features}, {values.dtype})", bool(interpret))
 
     scaled = scale is not None
     in_specs = [pl.BlockSpec((None, batch, chunk), lambda i, ids, keep: (i, 0, 0))]
@@ -232,7 +232,7 @@ def block_matvec(
     out_features: int,
     layer: int | jax.Array | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """y [B, n] = Σ_j x[:, block j's inputs] · W[block j]ᵀ over the blocks ``block_ids`` [nb]
@@ -256,7 +256,7 @@ def block_matvec(
     # positions costs XLA:TPU ~350 KB per block (its cost model), a block-row take a few KB
     xs = x.reshape(batch, k // block, block)[:, ids].transpose(1, 0, 2) * counted[:, None, None].astype(x.dtype)
     est = block_matvec_vmem_bytes(batch, block, out_features, rows.values.dtype, x.dtype)
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_matvec (B={batch}, b={block}, n={out_features}, {rows.values.dtype})")
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"block_matvec (B={batch}, b={block}, n={out_features}, {rows.values.dtype})", bool(interpret))
 
     scaled = scale is not None
     in_specs = [pl.BlockSpec((None, batch, block), lambda i, ids: (i, 0, 0))]
@@ -328,7 +328,7 @@ def gather_row_dots(
     count: int | jax.Array | None = None,
     chunk: int = 128,
     interpret: bool | pltpu.InterpretParams = False,
-    chip: str = "v5e",
+    chip: str | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """u [B, m] f32 = x · W[ids]ᵀ for x [B, d] and W as `OutputRows` [n, L, 128], ids [m]
@@ -345,7 +345,7 @@ def gather_row_dots(
     steps = -(-m // chunk)
     pad = steps * chunk - m
     est = row_dots_vmem_bytes(batch, chunk, x.shape[1], rows.values.dtype, x.dtype)
-    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_row_dots (B={batch}, chunk={chunk}, d={x.shape[1]}, {rows.values.dtype})")
+    limit = vmem_limit_bytes or vmem_limit(est, chip, f"gather_row_dots (B={batch}, chunk={chunk}, d={x.shape[1]}, {rows.values.dtype})", bool(interpret))
     fetch, keep = jnp.pad(sel.ids, (0, pad), mode="edge"), jnp.pad(sel.keep, (0, pad))
     scaled = row_scale is not None
     # the DMAs read held rows at their layer's offset ``first``; the scales are the layer's own [n]

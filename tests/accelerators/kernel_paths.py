@@ -14,7 +14,7 @@ from popjax.generation import generate_ids
 from popjax.loaded import with_scanned_layers
 from popjax.methods.teal import Thresholds
 from tests.conftest import random_prompts
-from tests.methods.test_calibration import tiny_corpus
+from tests.reference.corpus import tiny_corpus
 
 LOGPROB_ATOL = 1e-5
 NEW_TOKENS = 6

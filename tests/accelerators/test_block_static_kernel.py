@@ -16,7 +16,7 @@ import popjax
 from popjax.kernels import block_slab, decode_ffn, ffn_gpu, ffn_tpu
 from popjax.kernels.int8 import quantize
 from tests.accelerators.kernel_paths import check_method_kernel
-from tests.accelerators.test_tpu_compile import MOSAIC_CALL, SHAPES, config
+from tests.accelerators.targets import MOSAIC_CALL, SHAPES, config
 
 # Runs Pallas kernels in interpret mode and compiles for a TPU: the full suite checks these, the quick loop does not.
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_pallas_equals_xla(request, tiny_model, family, aggregate, layout, order
     """`kernel_paths.check_method_kernel` (a batch of 2 prompts): the kernel path reads the kept
     blocks from the model's slab (per sequence: the rows' union; a calibrated order: the slab laid
     out in it), XLA a prefill copy of them."""
-    from tests.methods.test_calibration import tiny_corpus
+    from tests.reference.corpus import tiny_corpus
 
     model = tiny_model if family == "llama" else request.getfixturevalue(family)
     method = popjax.Static(ratio=0.4, block=8, aggregate=aggregate, kernel="xla", block_order=order)

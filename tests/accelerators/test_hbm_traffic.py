@@ -108,6 +108,21 @@ def test_a_loop_over_a_buffer_in_blocks_reads_it_whole(static_trips):
     assert traffic["unknown_trip_loops"] == 0
 
 
+def test_a_loop_over_a_buffer_in_blocks_reads_only_its_filled_blocks_when_told():
+    # decode attention at a step: the cache's first `filled` slots are written and read, no more
+    rows, width, block = 1024, 512, 16
+
+    def blockwise(buffer, n):
+        step = lambda j, acc: acc + jax.lax.dynamic_slice_in_dim(buffer, j * block, block).astype(jnp.float32).sum(0)
+        return jax.lax.fori_loop(0, n, step, jnp.zeros((width,), jnp.float32))
+
+    text = _compiled(blockwise, ((rows, width), jnp.bfloat16), ((), jnp.int32)).as_text()
+    per_block = _bytes((block, width), jnp.bfloat16)
+    for filled in (1, 100, 1024, 5000):
+        blocks = min(-(-filled // block), rows // block)
+        assert blocks * per_block <= hbm_traffic(text, filled=filled)["bytes"] <= blocks * per_block + 64 * 1024
+
+
 def test_a_scan_over_stacked_layers_reading_each_layers_blocks_reads_the_stack_once():
     # a scanned model's decode attention: a scan over L layers (a counted loop), each running a
     # loop with a dynamic trip count over its own blocks of the stacked cache [L, S, w]

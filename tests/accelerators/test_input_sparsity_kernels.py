@@ -29,9 +29,9 @@ from popjax.kernels.int8 import quantize
 from popjax.methods import MethodError
 from popjax.methods.input_rows import input_major_rows
 from popjax.methods.larosa import folded_rows
-from tests.accelerators.test_kernels_compile import hbm_traffic
+from tests.accelerators.targets import hbm_traffic
 from tests.accelerators.kernel_paths import check_method_kernel, placeholder_thresholds, ready
-from tests.methods.test_calibration import tiny_corpus
+from tests.reference.corpus import tiny_corpus
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.

@@ -6,18 +6,15 @@ clear error line. Correctness is tests/accelerators/test_kernels_ffn.py."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import shared_memory  # private: the TPU simulator's memory, to count bytes
 from jax.experimental.pallas import tpu as pltpu
 
 from popjax.analysis.topologies import resolve_topology
 from popjax.kernels import block_slab, decode_ffn, ffn_gpu, ffn_layout, ffn_tpu, matvec_tpu, traffic
+from tests.accelerators.targets import hbm_traffic
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
 # quick loop between edits (-m "not slow") does not.
@@ -74,7 +71,6 @@ def test_gather_kernel_compiles_for_v5e_without_a_relayout(v5e):
     compiled = compile_on(v5e, lambda *a: ffn_tpu.gather_ffn(*a, vmem_limit_bytes=est), gather_args(batch, d, f, m, "int8", per_row=True))
     weights = 3 * f * 1024
     assert compiled.memory_analysis().temp_size_in_bytes < weights // 20
-
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -151,31 +147,6 @@ def test_gpu_kernels_lower_to_triton_for_cuda(kind):
 
 
 # ------------------------------------------------------------------------- bytes, in the TPU simulator
-@contextlib.contextmanager
-def hbm_traffic():
-    """Counts the bytes the TPU interpreter reads from and writes to HBM buffers (a test-only
-    hook on jax's private simulator: its block fetches and DMAs all go through these two)."""
-    tally, cls = collections.Counter(), shared_memory.SharedMemory
-    get, put = cls.get_buffer_content, cls.store_buffer_content
-
-    def counted_get(self, key, rnge, *a, **k):
-        out = get(self, key, rnge, *a, **k)
-        if key[0] == "hbm" and out[0] is not None:
-            tally["read"] += out[0].nbytes
-        return out
-
-    def counted_put(self, key, rnge, value, *a, **k):
-        if key[0] == "hbm":
-            tally["written"] += np.asarray(value).nbytes
-        return put(self, key, rnge, value, *a, **k)
-
-    cls.get_buffer_content, cls.store_buffer_content = counted_get, counted_put
-    try:
-        yield tally
-    finally:
-        cls.get_buffer_content, cls.store_buffer_content = get, put
-
-
 def _simulated(rng, *shapes_dtypes):
     return [jnp.asarray(rng.standard_normal(s) * 0.1, dt) if dt != "int8" else jnp.asarray(rng.integers(-127, 128, s), dt) for s, dt in shapes_dtypes]
 
@@ -207,7 +178,6 @@ def test_gather_kernel_moves_the_bytes_it_counts():
         jax.block_until_ready(ffn_tpu.gather_ffn(x, ffn_layout.ChannelRows(values), ids, count=7, chunk=chunk, interpret=pltpu.InterpretParams()))
     counted = traffic.gather_ffn_bytes(6, 9, chunk, 1024, batch, "bfloat16", "bfloat16")
     assert tally["read"] + tally["written"] == counted - 2 * 12 * 4 + batch * width * 2
-
 
 
 def test_gated_gather_moves_the_bytes_it_counts():
@@ -327,7 +297,7 @@ def test_bad_input_is_one_clear_line():
     _fail(ffn_tpu.gather_ffn, *gather_args(64, 8192, 512, 600, "float32"), chunk=1024, match="over v6e's 128 MiB", chip="v6e")
     _fail(ffn_tpu.block_ffn, *block_args(65, 256, 256, 128, 2, "bfloat16"), match="batch 65 is outside the kernels' range; use 1 to 64")
     _fail(ffn_gpu.block_ffn, *block_args(2, 256, 256, 128, 2, "bfloat16"), act="relu", match="act='relu' is not a kernel activation")
-    _fail(ffn_tpu.block_ffn, *block_args(2, 256, 256, 128, 2, "bfloat16"), chip="v4", match="chip='v4' is not a known TPU")
+    _fail(ffn_tpu.block_ffn, *block_args(2, 256, 256, 128, 2, "bfloat16"), chip="v3", match="chip='v3' is not a known TPU")
     x, slab, _ = block_args(2, 256, 256, 128, 2, "bfloat16")
     _fail(ffn_tpu.block_ffn, x, slab, S((2, 2), "int32"), match=r"block_ids of shape \(2, 2\) must be a non-empty vector")
     _fail(ffn_tpu.block_ffn, x, slab, S((2,), "int32"), S((3, 2), "bool"), match=r"row_mask of shape \(3, 2\) does not fit")

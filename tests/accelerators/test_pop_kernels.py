@@ -24,10 +24,9 @@ from popjax.methods import MethodError
 from popjax.methods.pop import POPPlan
 from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import GLOBAL_BAND, ExactScorer
-from popjax.kernels.int8 import Int8Weight, quantize
 from popjax.loaded import with_scanned_layers
-from popjax.models.interface import FFNWeights
 from tests.accelerators.kernel_paths import assert_kernel_path_equals_xla
+from tests.accelerators.targets import ffn_weights
 from tests.conftest import random_prompts
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
@@ -69,21 +68,12 @@ def test_pallas_equals_xla(request, tiny_model, family, batch, aggregate, block,
     assert_kernel_path_equals_xla(model, xla, pallas, prompts)
 
 
-def _ffn_weights(int8: bool, f: int = 48, d: int = 40, seed: int = 0) -> FFNWeights:
-    rng = np.random.default_rng(seed)
-    gate_up, down = rng.normal(size=(2, f, d)).astype(np.float32), rng.normal(size=(d, f)).astype(np.float32)
-    if int8:  # popjax's format: per-output-channel scales, weight-only dots
-        gate_up, down = Int8Weight(*map(jnp.asarray, quantize(gate_up))), Int8Weight(*map(jnp.asarray, quantize(down)))
-    norms = jnp.linalg.norm(down.dequantize() if int8 else down, axis=0)
-    return FFNWeights(gate_up=gate_up if int8 else jnp.asarray(gate_up), down=down if int8 else jnp.asarray(down), down_norm=norms)
-
-
 @pytest.mark.parametrize("int8, aggregate, block", [(False, "per_sequence", 1), (True, "shared", 1), (False, "shared", 4), (True, "per_sequence", 4)])
 def test_plan_step_through_the_kernel(int8, aggregate, block):
     """One layer's plan, float and int8 weights: the kernel path keeps C's down rows as
     `InputRows` [n_C, L, 128] and its decode step equals XLA's (outputs and selections); block
     POP's (``block`` > 1) reads its m/b blocks through `decode_ffn.block_matvec`."""
-    w = _ffn_weights(int8)
+    w = ffn_weights(int8)
     rng = np.random.default_rng(1)
     x, x_t = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.float32), jnp.asarray(rng.normal(size=(2, 1, 40)), jnp.float32)
     valid, valid_t = jnp.ones((2, 5), bool), jnp.ones((2, 1), bool)

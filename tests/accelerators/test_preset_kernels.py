@@ -19,7 +19,7 @@ from popjax.kernels.int8 import Int8Weight
 from popjax.methods.pop.layer_bands import layer_bands_plan
 from popjax.methods.pop.low_rank import factors_from_weights, lowrank_data, lowrank_plan
 from tests.accelerators.kernel_paths import check_method_kernel
-from tests.accelerators.test_pop_kernels import _ffn_weights
+from tests.accelerators.targets import ffn_weights
 
 # Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def test_plan_step_through_the_kernels(preset, int8, aggregate):
     """The kernel path keeps the rows it reads in the kernels' layouts (low-rank: C's gate and up
     rows as `OutputRows`, its down columns as `InputRows`; bands: the zone's down rows as
     `InputRows`) and its decode step equals XLA's in outputs and selections."""
-    xla, w = (_lowrank if preset == "lowrank" else _bands)(_ffn_weights(int8), aggregate)
+    xla, w = (_lowrank if preset == "lowrank" else _bands)(ffn_weights(int8), aggregate)
     rng = np.random.default_rng(1)
     x, x_t = jnp.asarray(rng.normal(size=(2, 5, D)), jnp.float32), jnp.asarray(rng.normal(size=(2, 1, D)), jnp.float32)
     valid, valid_t = jnp.ones((2, 5), bool), jnp.ones((2, 1), bool)

@@ -26,7 +26,7 @@ from popjax.methods.pop.gate_scored import GATE
 from popjax.methods.pop.plan import UNKEPT_BAND
 from popjax.methods.pop.shortlist import ShortlistScorer
 from tests.accelerators.kernel_paths import check_method_kernel
-from tests.accelerators.test_pop_kernels import _ffn_weights
+from tests.accelerators.targets import ffn_weights
 
 # Runs Pallas kernels in interpret mode: the full suite checks these, the quick loop does not.
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ PLANS = {  # one layer's plans, f = 48, n_keep = 30: POP's band (m = 6 of n_C = 
 def test_plan_step_through_the_kernels(name, int8, aggregate):
     """The kernel path keeps C's up rows as `OutputRows` (int8: their scales beside them) and its
     down columns as `InputRows`; its decode step equals XLA's in outputs and selections."""
-    w = _ffn_weights(int8)
+    w = ffn_weights(int8)
     rng = np.random.default_rng(1)
     x, x_t = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.float32), jnp.asarray(rng.normal(size=(2, 1, 40)), jnp.float32)
     valid, valid_t = jnp.ones((2, 5), bool), jnp.ones((2, 1), bool)

@@ -16,7 +16,6 @@ import types
 import jax
 import pytest
 
-from popjax import libtpu_env
 from popjax.analysis.hlo_text import parse_module
 from popjax.analysis.topologies import CHIPS, GiB, LibTPUMissing, resolve_topology
 from popjax.analysis.tpu_compile import check_fit, resolve_model, tpu_compile
@@ -26,6 +25,7 @@ from popjax.methods import METHODS
 from popjax.models.config import ModelConfig
 from popjax.sharding import abstract_params, make_mesh
 from tests.conftest import tiny_program_env
+from tests.accelerators.targets import BASE, FAMILIES, MOSAIC_CALL, SHAPES, config
 from tests.gguf_files import write_metadata_only
 
 # Compiles for a TPU or a GPU, or runs Pallas kernels in interpret mode: the full suite checks these, the
@@ -34,29 +34,7 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("libtpu")
 
-# 2 layers, d=64; 4 heads, 4 KV heads, f and vocab divisible by 4: every axis splits over model=4
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-            tie_word_embeddings=False)
-FAMILIES = {
-    "llama": dict(model_type="llama", rope_theta=10000.0),
-    "qwen3": dict(model_type="qwen3", head_dim=16),
-    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True),
-    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                   layer_types=["sliding_attention", "full_attention"]),
-    "qwen2_vl": dict(model_type="qwen2_vl", vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2),
-                     text_config=dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": [2, 3, 3]}),
-                     image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253),
-}
 CORE = ("pop", "static", "teal")  # online, offline-selection and calibrated-data methods (dense: the baseline)
-SHAPES = dict(batch=1, context=64, decode_loop=False)  # prompt bucket 32, 32 new tokens
-MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'  # a Pallas kernel in an XLA:TPU program
-
-
-def config(family: str = "llama", **overrides) -> ModelConfig:
-    return ModelConfig.from_hf_dict(dict(BASE, **FAMILIES[family], **overrides))
 
 
 def _weights_per_device(cfg: ModelConfig, model: int, itemsize: int = 2) -> float:
@@ -118,6 +96,26 @@ def test_core_methods_compile_for_a_v5e_slice(tmp_path):
     assert (tmp_path / "pop-0.4.step.hlo.txt").read_text().count(MOSAIC_CALL) == cfg.num_hidden_layers
     table = format_report(report)
     assert "est tok/s" in table and "estimate" in table and "teal" in table
+
+
+def test_a_larger_context_adds_only_the_kv_its_decode_step_reads():
+    # `popjax compile --context 1024` against 8192 on the 8B says the same at full size
+    # (docs/tpu.md): the cache grows 8x, the step's HBM bytes only by the slots it reads
+    cfg = config()
+    steps = {}
+    for context in (256, 2048):
+        report = tpu_compile(cfg, "v5e:1x1", ["dense"], [0.4], batch=1, context=context, prompt=32, decode_loop=False,
+                             prefill=False, with_dense=False)
+        record = report["records"][0]
+        steps[context] = (record["decode_step"]["hbm_bytes"], record["kv_slots_read"], record["cache_slots"])
+    (small, read_small, slots_small), (large, read_large, slots_large) = steps[256], steps[2048]
+    per_slot = 2 * cfg.kv_dim * 2 * cfg.num_hidden_layers  # k and v, bf16, every layer
+    assert slots_large > 4 * slots_small and read_large > read_small
+    grown, kv_read = large - small, (read_large - read_small) * per_slot
+    # the attention reads whole 256-slot blocks: the slots read, up to a block more per layer
+    assert kv_read - 256 * per_slot <= grown <= kv_read + 256 * per_slot, (grown, kv_read)
+    # the counted step is mid-generation (half the new tokens written): half the cache's growth, not all of it
+    assert grown < 0.6 * (slots_large - slots_small) * per_slot
 
 
 @pytest.mark.slow  # every registry method: one TPU compile each (about 20 s on 2 cores)
@@ -292,18 +290,6 @@ def test_cli_compiles_and_writes_json_and_plot(tmp_path, capsys):
     assert main(cmd[3:8] + ["--mesh", "3x3"]) == 2  # in this process: the same one line, no second start-up
     assert capsys.readouterr().err.strip().splitlines() == [
         "popjax: error: mesh 3x3 (9 devices) does not cover topology v5e:2x2 (4 devices); valid meshes: 1x4, 2x2, 4x1"]
-
-
-def test_prepare_libtpu_env_keeps_what_the_user_set(monkeypatch):
-    monkeypatch.setattr(libtpu_env, "_tpu_attached", lambda: False)
-    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
-    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
-    libtpu_env.prepare_libtpu_env()
-    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8" and os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"
-    monkeypatch.setattr(libtpu_env, "_tpu_attached", lambda: True)  # a TPU VM: its runtime's own values stand
-    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
-    libtpu_env.prepare_libtpu_env()
-    assert "TPU_WORKER_HOSTNAMES" not in os.environ
 
 
 PARENT_THAT_DIES = """

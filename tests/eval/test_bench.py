@@ -10,7 +10,7 @@ from popjax.analysis.flops import bytes_per_step
 from popjax.bench.runner import MethodRun, format_table
 from popjax.cli import main
 from popjax.models import ModelConfig
-from tests.methods.test_pop_model import SMOLLM2
+from tests.reference.lm import SMOLLM2
 
 
 def test_bytes_per_step_follow_the_kept_channels():

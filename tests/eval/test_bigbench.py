@@ -18,7 +18,7 @@ from popjax.eval import bigbench as bb
 from popjax.eval.bigbench_score import choice_logprobs, compile_counts, encode_pair, evaluate_task, lm_eval_scores
 from popjax.eval.teacher import teacher_forced
 
-from .test_lm_eval import _log_softmax, converted, model  # noqa: F401  (the tiny model with a character tokenizer)
+from tests.reference.lm import log_softmax
 
 COLORS = {
     "name": "colors", "description": "toy", "keywords": [], "canary": "x", "metrics": ["multiple_choice_grade"],
@@ -123,7 +123,7 @@ def _reference_logprob(model, prompt: str, choice: str) -> float:  # noqa: F811
     """Σ log p(choice tokens | prompt) from one dense forward pass and a NumPy log-softmax."""
     context, target = encode_pair(model.tokenizer, prompt, choice)
     logits = np.asarray(popjax.forward(model, [context + target]))[0]
-    logp = _log_softmax(logits[len(context) - 1 : len(context) - 1 + len(target)])
+    logp = log_softmax(logits[len(context) - 1 : len(context) - 1 + len(target)])
     return float(sum(logp[i, t] for i, t in enumerate(target)))
 
 

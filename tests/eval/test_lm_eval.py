@@ -4,7 +4,6 @@ offline end to end (Python API and ``popjax lm-eval``), pruning changes scores, 
 from __future__ import annotations
 
 import json
-import shutil
 
 import lm_eval
 import numpy as np
@@ -16,38 +15,7 @@ from lm_eval.utils import get_rolling_token_windows
 
 import popjax
 from popjax.eval.lm_eval_adapter import PopjaxLM
-
-CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
-
-
-def write_char_tokenizer(directory) -> None:
-    """A character-level tokenizer (ids 3.. are printable ASCII and newline; 1 = BOS, 2 = EOS as
-    in the tiny configs) saved so that ``AutoTokenizer.from_pretrained(directory)`` loads it."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(str(directory))
-
-
-@pytest.fixture(scope="module")
-def converted(tiny_checkpoints, tmp_path_factory):
-    """A converted tiny model directory that carries a tokenizer (the shared fixture's has none)."""
-    source, _ = tiny_checkpoints("llama-gqa")
-    root = tmp_path_factory.mktemp("lm_eval_model")
-    shutil.copytree(source, root / "hf")
-    write_char_tokenizer(root / "hf")
-    return popjax.convert_source(root / "hf", root / "converted")
-
-
-@pytest.fixture(scope="module")
-def model(converted):
-    return popjax.load(converted)
-
+from tests.reference.lm import log_softmax
 
 @pytest.fixture(scope="module")
 def dense_lm(model):
@@ -58,17 +26,11 @@ def _instances(kind, args_list):
     return [Instance(kind, {}, args, i) for i, args in enumerate(args_list)]
 
 
-def _log_softmax(logits):
-    logits = np.asarray(logits, np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def _forward_score(model, context, targets):
     """Σ log p(targets | context) and whether each target is the argmax, from one forward pass."""
     logits = np.asarray(popjax.forward(model, [list(context) + list(targets)]))[0]
     rows = logits[len(context) - 1 : len(context) - 1 + len(targets)]
-    logp = _log_softmax(rows)
+    logp = log_softmax(rows)
     return float(sum(logp[j, t] for j, t in enumerate(targets))), bool((rows.argmax(-1) == targets).all())
 
 
@@ -115,7 +77,7 @@ def test_dense_rolling_loglikelihood_equals_forward_windows(model):
     (score,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]), disable_tqdm=True)
     expected, windows = 0.0, 0
     for inputs, predicted in get_rolling_token_windows(model.tokenizer.encode(text), 1, 16, 1):
-        logp = _log_softmax(np.asarray(popjax.forward(model, [inputs]))[0])
+        logp = log_softmax(np.asarray(popjax.forward(model, [inputs]))[0])
         offset = len(inputs) - len(predicted)
         expected += sum(logp[offset + j, t] for j, t in enumerate(predicted))
         windows += 1

@@ -11,7 +11,6 @@ from popjax.data import DEV_PLAY, load_play
 from popjax.eval.harness import EvalSettings, evaluate
 from popjax.eval.local_tasks import CHOICES, is_verse, next_line_documents, play_lines, write_task
 
-from .test_lm_eval import converted, model  # noqa: F401  (the tiny model with a tokenizer)
 
 
 @pytest.fixture(scope="module")

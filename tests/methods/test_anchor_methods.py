@@ -24,7 +24,7 @@ from popjax.requests import pad_batch
 from popjax.methods import GLASS, GRIFFIN, WINA, GLASSPlan, MethodError, WINAPlan, make_method
 from popjax.methods.glass import GlobalPrior
 from popjax.methods.wina import ColumnNorms
-from tests.reference import as_jax, random_batch, random_layer, ref_hidden, ref_rank, ref_top_k
+from tests.reference.ffn import as_jax, random_batch, random_layer, ref_hidden, ref_rank, ref_top_k
 
 ATOL = 1e-5
 

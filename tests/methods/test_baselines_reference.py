@@ -17,12 +17,13 @@ import pytest
 
 from popjax.methods import GRIFFIN, GRIFFINPlan, MethodError, ProbePruning, ProbePruningPlan
 from popjax.models import ModelConfig
-from tests import reference
-from tests.reference import as_jax, random_layer, ref_hidden, ref_rank
+from tests.reference import ffn
+from tests.reference.ffn import as_jax, random_layer, ref_hidden, ref_rank
+from tests.reference.methods import ref_flap, ref_griffin_scores
 
 ATOL = 1e-5
 # tokens of different norms: the baselines' token-normalised statistics must see them
-random_batch = functools.partial(reference.random_batch, varied_norms=True)
+random_batch = functools.partial(ffn.random_batch, varied_norms=True)
 
 
 # ------------------------------------------------------------------ shared reference helpers
@@ -41,20 +42,6 @@ def tiny_config(**extra) -> ModelConfig:
 
 
 # ------------------------------------------------------------------ GRIFFIN
-
-
-def ref_griffin_scores(W, X, valid):
-    H = ref_hidden(W, X)
-    f = H.shape[-1]
-    s = np.zeros(f)
-    for b in range(X.shape[0]):
-        for t in range(X.shape[1]):
-            if valid[b, t]:
-                a = H[b, t]
-                norm = math.sqrt(sum(v * v for v in a))
-                for j in range(f):
-                    s[j] += (a[j] / norm) ** 2
-    return np.sqrt(s)
 
 
 @pytest.mark.parametrize("aggregate", ["shared", "per_sequence"])
@@ -317,29 +304,6 @@ def test_selection_plan_matches_reference():
         k = list(kept[layer])
         for got, inp in ((np.asarray(y)[valid], X[valid]), (np.asarray(y_t), x_t)):
             np.testing.assert_allclose(got, ref_hidden(W, inp)[..., k] @ W["down"][k] + np.asarray(bias[layer]), atol=ATOL)
-
-
-def ref_flap(H_layers, downs, n_keep, floor):
-    """FLAP from dense activations. H_layers: per layer [N, f] float64 (valid tokens only);
-    downs: per layer W_d [d, f]. -> (kept sets, bias [L, d])."""
-    L, f = len(downs), downs[0].shape[1]
-    z = []
-    mus = []
-    for H, down in zip(H_layers, downs):
-        n = H.shape[0]
-        mu = [sum(H[t, j] for t in range(n)) / n for j in range(f)]
-        var = [sum((H[t, j] - mu[j]) ** 2 for t in range(n)) / n for j in range(f)]
-        S = [var[j] * sum(down[i, j] ** 2 for i in range(down.shape[0])) for j in range(f)]
-        m = sum(S) / f
-        sd = math.sqrt(sum((s - m) ** 2 for s in S) / f)
-        z.append([(s - m) / sd for s in S])
-        mus.append(mu)
-    kept = [set(sorted(range(f), key=lambda j, l=l: (-z[l][j], j))[:floor]) for l in range(L)]
-    rest = sorted((-z[l][j], l, j) for l in range(L) for j in range(f) if j not in kept[l])
-    for _, l, j in rest[: L * n_keep - L * floor]:
-        kept[l].add(j)
-    bias = [[sum(downs[l][i, j] * mus[l][j] for j in range(f) if j not in kept[l]) for i in range(downs[l].shape[0])] for l in range(L)]
-    return [sorted(k) for k in kept], np.array(bias)
 
 
 def test_flap_selection_matches_reference():

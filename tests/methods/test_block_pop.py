@@ -18,8 +18,8 @@ from popjax.methods import MethodError, POPPlan, make_method
 from popjax.methods.pop.blocks import BlockBand
 from popjax.methods.pop.plan import ExactScorer
 from popjax.methods.pop.shortlist import ShortlistScorer
-from tests.methods.test_methods_reference import ref_prefill
-from tests.reference import as_jax, random_batch, random_layer, ref_down_norms, ref_gate, ref_hidden
+from tests.reference.methods import ref_prefill
+from tests.reference.ffn import as_jax, random_batch, random_layer, ref_down_norms, ref_gate, ref_hidden
 
 ATOL = 1e-5
 

@@ -17,8 +17,8 @@ import popjax
 from popjax.kernels.block_slab import stacked_block_layout
 from popjax.methods import MethodError, make_method
 from popjax.methods.static import StaticPlan
-from tests.methods.test_methods_reference import ref_prefill
-from tests.reference import as_jax, random_batch, random_layer, ref_hidden
+from tests.reference.methods import ref_prefill
+from tests.reference.ffn import as_jax, random_batch, random_layer, ref_hidden
 
 ATOL = 1e-5
 KERNELS = ["xla", pytest.param("pallas-interpret", marks=pytest.mark.slow)]
@@ -112,7 +112,7 @@ def test_calibrated_order_ranks_each_layers_channels_by_corpus_importance(tiny_m
     test_calibration.py; the ranking is checked here, in NumPy)."""
     from popjax.calibration import collect
     from popjax.methods.flap import ActivationMoments
-    from tests.methods.test_calibration import tiny_corpus
+    from tests.reference.corpus import tiny_corpus
 
     corpus = tiny_corpus()
     method = popjax.Static(0.4, block=8, block_order="calibrated").calibrate(tiny_model, corpus, cache=False)

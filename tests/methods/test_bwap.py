@@ -19,7 +19,7 @@ from popjax import engine
 from popjax.methods import BWAP, BWAPPlan, DensePlan, MethodError
 from popjax.models import ModelConfig
 from tests.conftest import random_prompts
-from tests.reference import as_jax, random_batch, random_layer, ref_hidden
+from tests.reference.ffn import as_jax, random_batch, random_layer, ref_hidden
 
 ATOL = 1e-5
 

@@ -1,6 +1,6 @@
 """Every pruning method on Gemma 3 (GeGLU FFN, sliding-window layers with ring-buffer caches,
 sandwich norms, soft-capped logits), against plain NumPy references where the method's math
-depends on the architecture (the float64 `RefGemma3` of tests/gemma3_reference.py).
+depends on the architecture (the float64 `RefGemma3` of tests/reference/gemma3.py).
 
 * POP, GRIFFIN, CATS (calibrated: its thresholds are quantiles of |gelu(x W_g)|) through the
   engine equal their NumPy references: partitions, importances, selections, logits.
@@ -27,10 +27,9 @@ import torch
 
 from popjax import engine
 from popjax.requests import pad_batch
-from tests.reference import ref_gate, ref_sizes, silu
-from tests.gemma3_reference import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP, SKIP, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data
-from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
-from tests.methods.test_method_matrix import ready as ready_method
+from tests.reference.ffn import ref_gate, ref_sizes, silu
+from tests.reference.gemma3 import ATOL, N_TARGETS, RefCATS, RefGRIFFIN, RefPOP, SKIP, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data
+from tests.reference.matrix import ready as ready_method
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Prefill-Only Pruning and the calibrations that walk the layers, on Gemma 3, against the float64
-NumPy Gemma 3 of tests/gemma3_reference.py.
+NumPy Gemma 3 of tests/reference/gemma3.py.
 
 * A skipped sliding layer writes only its last ``window`` prompt keys/values into its ring
   (models/decoder.py ``_bypass_cache``); the reference projects the whole prompt, and the decode
@@ -24,8 +24,8 @@ from popjax.eval.teacher import teacher_forced
 from popjax.requests import pad_batch
 from popjax.methods.prefill_only.calibrate import calibrate_kv
 from tests.conftest import random_prompts
-from tests.gemma3_reference import ATOL, SWEEP_MODEL, _ring_holds, calibration_corpus, log_softmax, run_reference, sweep_data
-from tests.gemma3_reference import gemma  # noqa: F401 (the shared fixture)
+from tests.reference.gemma3 import ATOL, SWEEP_MODEL, _ring_holds, calibration_corpus, run_reference, sweep_data
+from tests.reference.lm import log_softmax
 
 
 def test_prefill_only_skipped_sliding_layer_writes_its_window_into_the_ring(gemma):

@@ -21,8 +21,8 @@ The mixed MoE model is not scannable (dense and expert layers differ), and a met
 per-layer prefill schedule (Prefill-Only Pruning) is refused by the scan in one line: those
 variants run int8 unrolled.
 
-Method-specific references live elsewhere: NumPy references of the plans in
-tests/methods/test_methods_reference.py and test_baselines_reference.py, Gemma 3's in
+Method-specific references live elsewhere: NumPy references of the plans in tests/reference/
+(checked in tests/methods/test_methods_reference.py and test_baselines_reference.py), Gemma 3's in
 test_gemma3_methods.py, MoE's per-expert statistics in test_moe_statistics.py, a mesh of 8 devices
 in tests/scale/eight_devices.py; the code before the seam refactor: a by-hand command (test_method_equivalence.py).
 """
@@ -36,33 +36,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import popjax
 from popjax import engine
 from popjax.convert import convert as conv
-from popjax.corpus import Corpus
 from popjax.image_prompts import image_prompt
 from popjax.loaded import with_scanned_layers
-from popjax.convert.fused import dequantize_tree
-from popjax.loading import build_model, place_model
-from popjax.methods import METHODS, make_method
+from popjax.loading import build_model
+from popjax.methods import METHODS
 from popjax.models.config import ModelConfig
 from popjax.models.scan import check_scannable
-from popjax.pruned import checkpoint_tree
 from popjax.requests import pad_batch
-from tests.gemma3_reference import SKIP as GEMMA3_SKIP
-from tests.gemma3_reference import SWEEP_MODEL, sweep_data
-from tests.methods.moe_reference import BASE as MOE_BASE
-from tests.methods.moe_reference import CONFIGS as MOE_CONFIGS
-from tests.models.test_vlm import _hf_model, digit, expanded
+from tests.reference.gemma3 import SWEEP_MODEL, sweep_data
+from tests.reference.matrix import dequantized_twin, ready
+from tests.reference.moe import BASE as MOE_BASE
+from tests.reference.moe import CONFIGS as MOE_CONFIGS
+from tests.reference.vlm import digit, expanded, hf_model
 
 ARCHS = ("llama", "moe", "gemma3", "vlm")
 NAMES = sorted(METHODS)
 VARIANT = {name: ARCHS[i % len(ARCHS)] for i, name in enumerate(NAMES)}  # where each method also runs int8 (+ scanned)
-CALIBRATED = ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal")  # statistics over a corpus
-HYPER = {"pop-lowrank": {"rank": 4}, "principal-teal": {"rank": 2}}
-PREFILL_SKIP = {"llama": (1,), "moe": (0,), "gemma3": GEMMA3_SKIP, "vlm": (1,)}  # Prefill-Only's skipped layers
 VARIANT_ATOL = 1e-4  # int8 (scale after the dot) against its dequantized twin; the scan adds ~1e-6
 
 
@@ -87,17 +80,6 @@ class Arch:
         return np.asarray(logp), records
 
 
-def dequantized_twin(model):
-    """The float model whose weights are the int8 model's q · s (same config, weights "float");
-    a VLM's through its checkpoint tree (the vision tower with it)."""
-    cfg = dataclasses.replace(model.config, weights="float")
-    if model.config.vision is not None:
-        return build_model(cfg, checkpoint_tree(model), model.tokenizer, "dequantized", "float32")
-    tree = dequantize_tree(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(model.params)))
-    tree["layers"] = {str(k): v for k, v in tree["layers"].items()}
-    return place_model(cfg, tree, model.tokenizer, "dequantized", "float32")
-
-
 def _inputs(prompts, targets) -> dict:
     tokens, mask = pad_batch(prompts, 0)
     return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask), "targets": jnp.asarray(targets, jnp.int32)}
@@ -112,7 +94,7 @@ def _build(name: str, tiny_checkpoints, tmp_path_factory) -> Arch:
         return Arch(q, dequantized_twin(q), **_inputs([[5, 6, 7, 8, 9], [10, 11, 12]], [[13, 14, 15], [16, 17, 18]]))
     if name == "vlm":
         directory = tmp_path_factory.mktemp("matrix_vlm")
-        _hf_model("qwen2_vl").save_pretrained(directory)
+        hf_model("qwen2_vl").save_pretrained(directory)
         q = popjax.load(str(directory), cache=False, weights="int8", activations="float")
         pieces, images = expanded([[5, 6], digit(2, (56, 56)), [7, 8]])
         arch = Arch(q, dequantized_twin(q), **_inputs([pieces, [9, 10, 11]], [[13, 14, 15], [16, 17, 18]]))
@@ -137,23 +119,6 @@ def arch(tiny_checkpoints, tmp_path_factory):
         return built[name]
 
     return get
-
-
-def ready(name: str, arch_name: str, model, **hyper):
-    """The registered method ``name`` (with ``hyper`` over the matrix's own hyper-parameters)
-    ready for ``model`` of the family ``arch_name``: prefill-only composed with POP over the
-    family's skipped layers, calibrated on random tokens or given its drift, then prepared."""
-    if name == "prefill-only":
-        method = make_method("prefill-only+pop", skip=PREFILL_SKIP[arch_name], **hyper)
-    else:
-        method = make_method(name, **{**HYPER.get(name, {}), **hyper})
-    vocab = min(model.config.vocab_size, 160)
-    corpus = Corpus.from_token_ids("random", np.random.default_rng(1).integers(3, vocab, 6 * 16), window=16)
-    if name in CALIBRATED:
-        method = method.calibrate(model, corpus, cache=False)
-    elif name == "pop-bands":
-        method = method.prepare(model, corpus=corpus)
-    return method.prepare(model)
 
 
 def _scannable(model, method) -> bool:
@@ -193,4 +158,3 @@ def test_method_on_architecture(name, arch_name, arch):
         with pytest.raises(ValueError, match=r"a layer control that treats layers differently.*unrolled model"):
             a.run(scanned, method)
     np.testing.assert_allclose(a.run(variant, method)[0], logp, atol=VARIANT_ATOL, rtol=0, err_msg=f"{name} int8 on {arch_name}")
-

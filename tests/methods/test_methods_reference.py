@@ -13,50 +13,10 @@ import numpy as np
 import pytest
 
 from popjax.methods import DynamicPlan, POPPlan, StaticPlan
-from tests.reference import as_jax, random_batch, random_layer, ref_down_norms, ref_hidden, ref_rank, ref_sizes
+from tests.reference.ffn import as_jax, random_batch, random_layer, ref_down_norms, ref_hidden, ref_rank, ref_sizes
+from tests.reference.methods import ref_dynamic_decode, ref_pop_decode, ref_prefill
 
 ATOL = 1e-5
-
-
-# ------------------------------------------------------------------ the NumPy reference
-
-
-def ref_prefill(W, X, valid, n_keep, m):
-    """Shared-mode POP prefill over the whole batch: -> (Y, R, C, importance)."""
-    H = ref_hidden(W, X)
-    dn = ref_down_norms(W)
-    f = H.shape[-1]
-    importance = np.zeros(f)
-    for j in range(f):
-        total = 0.0
-        for b in range(X.shape[0]):
-            for t in range(X.shape[1]):
-                if valid[b, t]:
-                    total += H[b, t, j] ** 2
-        importance[j] = math.sqrt(total) * dn[j]
-    order = ref_rank(importance)
-    n_r = n_keep - m
-    keep = order[:n_keep]
-    Y = H[..., keep] @ W["down"][keep]
-    return Y, order[:n_r], order[n_r : n_r + 2 * m], importance
-
-
-def ref_pop_decode(W, R, C, x, m):
-    """One shared-mode POP decode step, x [B, 1, d] -> (y, selected channel ids in score order)."""
-    H = ref_hidden(W, x)
-    dn = ref_down_norms(W)
-    scores = {c: math.sqrt(sum(H[b, 0, c] ** 2 for b in range(x.shape[0]))) * dn[c] for c in C}
-    selected = sorted(C, key=lambda c: (-scores[c], C.index(c)))[:m]
-    y = sum(H[..., [j]] * W["down"][j] for j in list(R) + selected)
-    return y, selected
-
-
-def ref_dynamic_decode(W, x, n_keep):
-    H = ref_hidden(W, x)
-    dn = ref_down_norms(W)
-    scores = [math.sqrt(sum(H[b, 0, j] ** 2 for b in range(x.shape[0]))) * dn[j] for j in range(H.shape[-1])]
-    keep = ref_rank(scores)[:n_keep]
-    return H[..., keep] @ W["down"][keep]
 
 
 # ------------------------------------------------------------------ fixtures

@@ -1,5 +1,5 @@
 """FFN-pruning methods on mixture-of-experts models (docs/moe.md): generation on tiny random
-Qwen3-MoE and Qwen2-MoE models (tests/methods/moe_reference.py), traces on a model that mixes dense
+Qwen3-MoE and Qwen2-MoE models (tests/reference/moe.py), traces on a model that mixes dense
 and MoE layers, clear errors, and per-block calibrated constants used at run time against NumPy.
 Per-expert calibration statistics: test_moe_statistics.py; every registered method on the mixed
 model: test_method_matrix.py."""
@@ -19,7 +19,7 @@ from popjax.methods.prefill_only.calibrate import calibrate_kv
 from popjax.methods.teal import Thresholds, thresholds_data
 from popjax.methods.wanda_sp import ChannelSelection, SelectionPlan, selection_data
 from popjax.models.moe import moe_mlp
-from tests.methods.moe_reference import PROMPTS, block_hidden, moe_corpus, routed_tokens, slot_ffns
+from tests.reference.moe import PROMPTS, block_hidden, moe_corpus, routed_tokens, slot_ffns
 
 
 def test_generate_on_qwen3_moe_with_per_expert_constants(moe_models):

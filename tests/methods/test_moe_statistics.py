@@ -13,7 +13,7 @@ from popjax.methods.flap import ActivationMoments, flap_selection, layer_floor
 from popjax.methods.pop.layer_bands import BandDrift
 from popjax.methods.teal import AbsHistograms, block_quantiles
 from popjax.methods.wanda_sp import WandaSPInOrder
-from tests.methods.moe_reference import block_hidden, layer_inputs, moe_corpus, per_block, slot_ffns
+from tests.reference.moe import block_hidden, layer_inputs, moe_corpus, per_block, slot_ffns
 
 
 class MLPInputs(Statistic):

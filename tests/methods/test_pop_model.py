@@ -14,6 +14,7 @@ from popjax.eval.teacher import teacher_forced
 from popjax.methods import MethodError, ffn_ratio, kept_channels, make_method, method_fields
 from popjax.models import ModelConfig
 from tests.conftest import random_prompts
+from tests.reference.lm import SMOLLM2
 
 # Real HF configs (the fields docs/methods.md §1 needs), with the paper's FFN ratios at 20% (Table 8).
 REAL_CONFIGS = {
@@ -27,9 +28,6 @@ REAL_CONFIGS = {
 }
 AT_40 = {"LLaMA-2-7B": 59.8, "LLaMA-2-13B": 59.8, "LLaMA-2-70B": 48.6, "LLaMA-3.1-8B": 49.5, "LLaMA-3.1-70B": 48.6, "Qwen3-8B": 51.1, "Qwen3-32B": 49.6}
 COMMON = dict(vocab_size=32000, num_hidden_layers=2, max_position_embeddings=4096)
-SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-               num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192,
-               tie_word_embeddings=True, rope_theta=100000.0)
 
 
 @pytest.mark.parametrize("name", sorted(REAL_CONFIGS))

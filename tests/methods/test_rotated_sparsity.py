@@ -19,7 +19,7 @@ from popjax.calibration import Corpus
 from popjax.requests import pad_batch
 from popjax.methods import LaRoSa, LaRoSaPlan, MethodError, PrincipalTEAL, PrincipalTEALPlan, kept_channels, make_method
 from popjax.methods.larosa import DAMPING, Rotations, rotation_from_moment
-from tests.reference import as_jax, random_layer, ref_hidden, ref_top_k
+from tests.reference.ffn import as_jax, random_layer, ref_hidden, ref_top_k
 
 ATOL = 1e-5
 

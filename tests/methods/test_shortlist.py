@@ -15,9 +15,12 @@ from popjax.methods import MethodError, POPPlan, make_method, method_fields
 from popjax.methods.pop.gate_scored import gate_scored_plan
 from popjax.methods.pop.shortlist import shortlist_plan, ShortlistPOP, ShortlistScorer
 from popjax.methods.pop.shortlist_dynamic import ShortlistDynamic, shortlist_dynamic_plan
-from tests.methods.test_frontier_methods import (
-    ATOL, CASES, D, as_jax, dnorm, group_norm, groups, jitted, random_batch, random_layer, ref_partition,
-    ref_select_and_apply, run_and_compare, silu, sizes, tiny_config,
+from tests.reference.ffn import as_jax, random_layer, silu
+from tests.reference.ffn import ref_down_norms as dnorm
+from tests.reference.ffn import ref_sizes as sizes
+from tests.reference.frontier import (
+    ATOL, CASES, D, group_norm, groups, jitted, random_batch, ref_partition, ref_select_and_apply, run_and_compare,
+    tiny_config,
 )
 
 

@@ -18,8 +18,8 @@ from popjax.methods import CATS, CATSPlan, DensePlan, MethodError, TEAL, TEALPla
 from popjax.methods.teal import thresholds_data
 from popjax.models import ModelConfig
 from tests.conftest import random_prompts
-from tests.methods.test_calibration import tiny_corpus
-from tests.reference import as_jax, random_layer, silu
+from tests.reference.corpus import tiny_corpus
+from tests.reference.ffn import as_jax, random_layer, silu
 
 ATOL = 1e-5
 

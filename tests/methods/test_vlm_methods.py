@@ -11,14 +11,14 @@ import pytest
 import popjax
 from popjax.methods import MethodError
 from popjax.methods.prompt_tokens import PROMPT_TOKENS
-from tests.models.test_vlm import IMAGE, _hf_model, digit, expanded, left_padded
+from tests.reference.vlm import IMAGE, digit, expanded, hf_model, left_padded
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    hf = _hf_model("qwen2_vl")
+    hf = hf_model("qwen2_vl")
     directory = tmp_path_factory.mktemp("qwen2_vl_methods")
     hf.save_pretrained(directory)
     return hf, popjax.load(str(directory), cache=False)

@@ -14,12 +14,11 @@ from PIL import Image
 
 import popjax
 from popjax.cli import main
-from popjax.eval.digits_vlm import DIGIT_WORDS, QUESTIONS, Recipe, answer, digits_vlm, make_tokenizer, question, train
+from popjax.eval.digits_vlm import DIGIT_WORDS, QUESTIONS, answer, digits_vlm, make_tokenizer, question, train
 from popjax.eval.digits_vqa import accuracy, answer_nll, digits_task
 from popjax.eval.harness import EvalSettings, evaluate
 from popjax.models.vision_config import VisionConfig, vision_params_from_hf, vision_tensor_shapes, vision_tensors_to_hf
-
-SHORT = Recipe(steps=30, batch=8, vision_depth=1, layers=2)
+from tests.reference.lm import SHORT
 
 
 def test_tokenizer_writes_the_chat_format():

@@ -18,7 +18,7 @@ from popjax import cache
 from popjax.convert import CheckpointError, readers
 from popjax.models import ConfigError
 from popjax.models.config import ModelConfig
-from tests.models.test_parity import hf_logits, parity_errors
+from tests.reference.parity import hf_logits, parity_errors
 from tests.gguf_files import dequantized_model, period_layer_types, tiny_gemma3, write_gemma3_gguf, write_metadata_only
 
 ATOL = 1e-4

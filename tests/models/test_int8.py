@@ -24,9 +24,9 @@ from popjax.loading import build_model
 from popjax.methods import POPPlan, make_method
 from popjax.models import layers
 from popjax.kernels.int8 import TWO_PASS, Int8Weight, dot, quantize
-from tests.reference import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
-from tests.methods.test_method_matrix import dequantized_twin, ready
-from tests.methods.test_methods_reference import ref_pop_decode, ref_prefill
+from tests.reference.ffn import int8_layer, random_batch, random_layer, ref_quantize, ref_sizes
+from tests.reference.matrix import dequantized_twin, ready
+from tests.reference.methods import ref_pop_decode, ref_prefill
 
 ATOL = 1e-5
 

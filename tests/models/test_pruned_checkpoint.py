@@ -23,8 +23,8 @@ from popjax.calibration import CalibrationError, Corpus, Statistic, collect
 from popjax.methods import FLAP, GRIFFIN, POP, Dense, MethodError, ProbePruning, Static, WandaSP, kept_channels
 from popjax.models import ConfigError, ModelConfig
 from popjax.pruned import prune_model, save_pruned
-from tests.reference import ref_rank
-from tests.methods.test_baselines_reference import ref_flap
+from tests.reference.ffn import ref_rank
+from tests.reference.methods import ref_flap
 
 ATOL = 1e-5
 FLAP_RATIO = 0.2  # at this ratio the skewed tiny model's two layers get different widths (79, 49)

@@ -4,7 +4,9 @@ CLI makes fake CPU devices for a mesh; bad input fails clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,12 @@ import numpy as np
 import pytest
 
 import popjax
+from popjax import engine
 from popjax.analysis.memory_plan import check_hosts, memory_plan, parse_mesh, published_configs, resolve_config
+from popjax.analysis.shape_fitted import ShapeModel, shape_fitted
+from popjax.cli import build_parser, main
+from popjax.methods import METHODS, POP, MethodError, PrefillOnly, parse_method_spec
+from popjax.methods.prefill_only.skip import skipped_layers
 from popjax.models.config import ConfigError, ModelConfig
 from popjax.requests import GenerationRequest
 from popjax.sharding import make_mesh
@@ -103,6 +110,79 @@ def test_cli_plans_a_mesh_on_fake_devices(config_file, tmp_path):
     assert (hosts["hosts"], hosts["chips_per_host"]) == (4, 1)
     assert 0.4 * hosts["host_ram_converting"] < hosts["host_ram_loading"] < 0.6 * hosts["host_ram_converting"]
     assert "host RAM loading" in result.stdout
+
+
+# every method that fits arrays on a loaded model before it can bind (analysis/shape_fitted.py)
+OFFLINE = [f"{name}:ratio=0.3" for name in ("teal", "cats", "wanda-sp", "flap", "glass", "larosa", "principal-teal:rank=2",
+                                            "wina", "pop-bands", "pop-lowrank:rank=4", "static:block=16:block_order=calibrated")]
+OFFLINE.append("prefill-only:kv=calibrated")
+
+
+def test_cli_plans_teal_from_shapes_alone(config_file, tmp_path, capsys):
+    """``popjax plan --method teal`` plans with shape-fitted placeholder thresholds, as ``popjax
+    compile`` does (a plan needs shapes, not a calibration); it used to fail 'TEAL has no thresholds'."""
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", str(config_file), "--context", "64", "--prompt", "16", "--dtype", "float32",
+                 "--method", "teal", "--ratio", "0.3", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    plan = json.loads(out.read_text())
+    assert plan["plan"] != "DensePlan" and "TEAL" in plan["method"]
+    assert plan["xla_per_device"]["decode_peak"] > 0 and "decode peak" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # compiles the three programs of every offline method
+@pytest.mark.parametrize("spec", OFFLINE)
+def test_cli_plans_every_offline_method(spec, config_file, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", str(config_file), "--context", "64", "--prompt", "16", "--dtype", "float32",
+                 "--method", spec, "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["decode_step_cost"]["bytes_accessed"] > 0
+
+
+def test_offline_methods_need_no_calibration_to_bind_a_plan():
+    """Every offline method in `OFFLINE` refuses to bind unfitted (so the CLI test above checks the
+    placeholders, not a method that needs none), and every method the registry holds plans."""
+    cfg = resolve_config("llama-3.1-8b")
+    for spec in OFFLINE:
+        method = parse_method_spec(spec)
+        if spec.startswith(("prefill-only", "static")):  # they bind, but their data needs the fit
+            with pytest.raises(MethodError):
+                method.data(ShapeModel(cfg, "bfloat16"))
+        else:
+            with pytest.raises(MethodError):
+                method.bind(cfg)
+        shape_fitted(method, cfg).bind(cfg)
+    for name in METHODS:
+        shape_fitted(parse_method_spec(name), cfg).bind(cfg)
+
+
+def test_plan_and_compile_help_state_the_real_defaults(capsys, monkeypatch):
+    """The defaults `popjax plan --help` and `popjax compile --help` state are the code's: each
+    method's own aggregate mode, POP's gamma, Prefill-Only's kv, the CLI defaults."""
+    monkeypatch.setenv("COLUMNS", "4000")  # argparse wraps at the terminal's width, and at hyphens
+    parser = build_parser()
+    helps = {}
+    for command in ("plan", "compile"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        helps[command] = " ".join(capsys.readouterr().out.split())
+    for name, cls in METHODS.items():
+        field = {f.name: f for f in dataclasses.fields(cls)}.get("aggregate")
+        if field is not None:  # "per_sequence for ..., pop, ..."
+            stated = re.search(rf"(\w+) for [\w\s,-]*(?<![\w-]){re.escape(name)}(?![\w-])", helps["plan"].split("--aggregate AGGREGATE ")[-1])
+            assert stated and stated.group(1) == field.default, (name, field.default)
+    assert "shared (default)" not in helps["plan"]
+    assert f"default {popjax.POP().gamma}" in helps["plan"] and "independent (default)" in helps["plan"]
+    assert PrefillOnly().kv == "independent" and POP().partition == "global" and POP().weights == "compact"
+    assert "(default last third)" in helps["plan"] and skipped_layers(PrefillOnly().skip, 9) == (6, 7, 8)
+    plan_args = parser.parse_args(["plan", "--model", "x"])
+    assert (plan_args.context, plan_args.mesh, plan_args.dtype, plan_args.method) == (4096, "1x1", "bfloat16", "dense")
+    assert "default context/2, at least context - 4096" in helps["plan"] and "default context/2, at least context - 4096" in helps["compile"]
+    assert engine.CAPACITY_BUCKETS[-1] == 4096  # the "4096" both helps state
+    compile_args = parser.parse_args(["compile", "--model", "x"])
+    assert (compile_args.topology, compile_args.method, compile_args.ratio, compile_args.context, compile_args.weights) == (
+        "v5e:2x4", ["dense"], [0.4], 1024, "float")
 
 
 def test_bad_input_fails_clearly(config_file, tmp_path):

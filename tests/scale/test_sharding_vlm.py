@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.models.test_vlm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker imports tests.reference.vlm
 
 
 MESHES = ((2, 1), (1, 2), (4, 2))
@@ -26,14 +26,14 @@ def worker(out_path: str) -> None:
 
     import popjax
     from popjax.sharding import make_mesh
-    from tests.models import test_vlm as t
+    from tests.reference import vlm as t
 
     text = {**t.TEXT, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
     cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2),
                                      tie_word_embeddings=False, **t.TOKENS)
     torch.manual_seed(0)
     hf = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
-    t._randomise(hf)
+    t.randomise(hf)
     directory = tempfile.mkdtemp()
     hf.save_pretrained(directory)
     one = popjax.load(directory, cache=False)

@@ -45,7 +45,7 @@ def calibrate_kv(
         windows); None = Shakespeare without the held-out and dev plays.
       ridge: λ ≥ 0 of the closed form, relative to the mean eigenvalue of ZᵀZ.
       method: "closed_form" or "optax" (then ``steps``, ``learning_rate``, ``weight_decay``,
-        ``prefix`` as in `popjax.kv_training.fit_optax`).
+        ``prefix`` as in `popjax.methods.prefill_only.kv_training.fit_optax`).
       tokens: calibration tokens (default 16384 closed form, 4096 optax); window: tokens per window.
       cache: False always fits and writes nothing; cache_dir: the cache root for this call
         (entries go to ``<cache_dir>/kv_calibration/``), default `popjax.cache.cache_root()`.

@@ -1,6 +1,6 @@
 """The optax variant of the calibrated KV projections (``calibrate_kv(method="optax")``).
 
-The closed form (``popjax.kv_calibration``) matches K and V themselves; what matters downstream
+The closed form (``popjax.methods.prefill_only.kv_calibration``) matches K and V themselves; what matters downstream
 is the skipped layer's attention output for the tokens *after* the prompt, whose queries attend
 over the prefilled keys/values. So each calibration window of T tokens is split at ``prefix``:
 

@@ -4,9 +4,8 @@
 `RefGemma3` is built from the transformers model's weights and config (not popjax's): it feeds
 any number of tokens per row after what its caches hold, keeps every key/value of the sequence
 (sliding layers mask by position instead of keeping a ring), and runs a caller's FFN function per
-layer, so POP, GRIFFIN and CATS (the references of tests/methods/test_methods_reference.py and
-tests/methods/test_baselines_reference.py, whose layers carry the GeGLU activation as ``W["act"]``,
-tests/reference.py) run inside a whole Gemma model. tests/methods/test_gemma3_methods.py anchors it to
+layer, so POP, GRIFFIN and CATS (the references of tests/reference/methods.py, whose layers carry
+the GeGLU activation as ``W["act"]``, tests/reference/ffn.py) run inside a whole Gemma model. tests/methods/test_gemma3_methods.py anchors it to
 transformers' own logits first.
 """
 
@@ -15,14 +14,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 
 import popjax
 from popjax.calibration import Corpus
 from tests.conftest import random_prompts
-from tests.reference import ref_gate, ref_hidden, ref_rank
-from tests.methods.test_baselines_reference import ref_griffin_scores
-from tests.methods.test_methods_reference import ref_pop_decode, ref_prefill
+from tests.reference.ffn import ref_gate, ref_hidden, ref_rank
+from tests.reference.lm import log_softmax
+from tests.reference.methods import ref_griffin_scores, ref_pop_decode, ref_prefill
 
 ATOL = 1e-4  # fp32 engine vs float64 reference, logits through every layer
 SWEEP_MODEL = "gemma3-last-sliding"  # 3 layers (sliding, full, sliding), window 6, soft-capped logits, untied
@@ -64,7 +62,7 @@ class RefGemma3:
         return self.sd[f"model.layers.{l}.{name}"]
 
     def _ffn(self, l, act):
-        """Layer l's FFN in math layout (tests/reference.py), carrying its gate activation."""
+        """Layer l's FFN in math layout (tests/reference/ffn.py), carrying its gate activation."""
         return {"gate": self.p(l, "mlp.gate_proj.weight").T, "up": self.p(l, "mlp.up_proj.weight").T,
                 "down": self.p(l, "mlp.down_proj.weight").T, "act": act}
 
@@ -182,7 +180,7 @@ class FirstCallPrefill:
 
 
 class RefPOP(FirstCallPrefill):
-    """POP, shared mode (tests/methods/test_methods_reference.py's reference): the partition from the
+    """POP, shared mode (tests/reference/methods.py's reference): the partition from the
     prompt's valid tokens, then the top m of C by exact score at every step."""
 
     def __init__(self, ref, n_keep, m):
@@ -243,26 +241,6 @@ def run_reference(ref, prompts, targets, ffn=None, skip=()):
     for i in range(targets.shape[1]):
         steps.append(np.stack([z[-1] for z in ref.forward([[t] for t in targets[:, i]], caches, ffn)]))
     return log_softmax(np.stack(steps[:-1], axis=1)), caches  # the last target is fed (its step selects) but not scored
-
-
-def log_softmax(z):
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
-@pytest.fixture(scope="module")
-def gemma(tiny_checkpoints):
-    """name -> (unrolled model, scanned model, RefGemma3), built once per module."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            directory, hf = tiny_checkpoints(name)
-            built[name] = (popjax.load(directory, cache=False), popjax.load(directory, cache=False, scan_layers=True),
-                           RefGemma3(hf))
-        return built[name]
-
-    return get
 
 
 def sweep_data(vocab: int):
