@@ -178,8 +178,9 @@ def pytest_unconfigure(config):
 # matrix, a subprocess with 8 devices, the TPU compiles, the real Gemma 3, ...) start first, so that with
 # `--dist loadfile` the other worker runs the many short files meanwhile and neither waits at the end.
 LONGEST_FILES = ("test_method_matrix.py", "test_notebooks.py", "test_tpu_compile.py", "test_eight_devices.py",
-                 "test_gemma3_270m.py", "test_default_model.py", "test_sharding_gemma3.py", "test_memory_plan.py",
-                 "test_multihost.py", "test_bf16.py", "test_gemma3.py", "test_sharding_vlm.py")
+                 "test_gemma3_270m.py", "test_default_model.py", "test_qwen3_vl_methods.py", "test_sharding_gemma3.py",
+                 "test_memory_plan.py", "test_device_check.py", "test_multihost.py", "test_bf16.py", "test_gemma3.py",
+                 "test_sharding_vlm.py", "test_qwen3_vl_moe.py", "test_qwen3_vl.py")
 
 
 def pytest_collection_modifyitems(config, items):
