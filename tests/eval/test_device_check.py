@@ -58,13 +58,6 @@ def test_dry_run_writes_every_file(tmp_path):
     check_dry_run(out, {"pop"})
 
 
-@pytest.mark.slow  # every method, both kernels, both weight formats: minutes of interpret-mode compiles
-def test_dry_run_of_every_method(tmp_path):
-    out = tmp_path / "check"
-    assert main(["device-check", "--dry-run", "--out", str(out), "--budget-s", "3000"]) == 0
-    check_dry_run(out, set(device_check.METHOD_NAMES))
-
-
 def test_budget_stops_early_and_still_writes(tmp_path):
     """A budget spent before the first measurement: the weights are never drawn, every file is
     still written, each listing what it left out."""
