@@ -160,11 +160,7 @@ class GenerationRequest:
             _CHECKED.add(key)
             return self
         except fallback.KernelUnavailable as err:
-            label = method_label(method)
-            if getattr(method.ffn_method, "kernel", "auto") != "auto":
-                raise fallback.explicit_error(label, err) from None
-            fallback.warn_fallback(label, err)
-            fallback.record_fallback(self.plan, err)
+            fallback.fall_back(method_label(method), getattr(method.ffn_method, "kernel", "auto"), self.plan, err)
         xla = with_kernel(method, "xla")
         plan = xla.bind(model.config)
         model.release_derived(keep=derived)  # before the XLA data: a copy both read is rebuilt once

@@ -133,10 +133,7 @@ def _compile_or_fall_back(cfg: ModelConfig, mesh, method: Method, plan, data, he
     try:
         return _compile(cfg, mesh, plan, batch, prompt, capacity, dtype, scan_layers, data=data, **options), method, plan, data
     except fallback.KernelUnavailable as err:
-        if getattr(method.ffn_method, "kernel", "auto") != "auto":
-            raise fallback.explicit_error(method_label(method), err) from None
-        fallback.warn_fallback(method_label(method), err)
-        head["kernel"] = fallback.record_fallback(plan, err)
+        head["kernel"] = fallback.fall_back(method_label(method), getattr(method.ffn_method, "kernel", "auto"), plan, err)
     method = with_kernel(method, "xla")
     plan, data = _bind_for_tpu(shape_fitted(method, cfg), cfg, dtype, mesh)
     head["plan"] = type(plan).__name__

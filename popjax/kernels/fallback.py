@@ -131,7 +131,17 @@ def ran(plan: Any) -> str:
 def warn_fallback(label: str, err: KernelUnavailable) -> None:
     """The one warning of a fallback: the method, the kernel and the compiler's first line."""
     warnings.warn(f"{label}: kernel='auto' falls back to XLA: the Pallas kernel {err.kernel} ({err.resolved}) does not "
-                  f"build for {device_kind()}: {err.line}", RuntimeWarning, stacklevel=3)
+                  f"build for {device_kind()}: {err.line}", RuntimeWarning, stacklevel=4)
+
+
+def fall_back(label: str, kernel_option: str, plan: Hashable, err: KernelUnavailable) -> str:
+    """What the binding layer does when ``plan``'s kernel does not build: a method that asked for
+    ``kernel="pallas"`` (``kernel_option``) raises `explicit_error`; one on ``"auto"`` gets the one
+    warning and the record -> that record ("xla (fallback: ...)"); the caller rebinds it through XLA."""
+    if kernel_option != "auto":
+        raise explicit_error(label, err) from None
+    warn_fallback(label, err)
+    return record_fallback(plan, err)
 
 
 def explicit_error(label: str, err: KernelUnavailable) -> KernelUnavailable:
